@@ -84,7 +84,7 @@ class MetaCheckpoint(CheckpointReader):
         self.params = read_json(ckpt_dir / META_PARAMS)
         self.files = sorted(ckpt_dir.glob("*.pth"))
         if not self.files:
-            raise FileNotFoundError(f"No checkpoint files (*.pth) found in {ckpt_dir}; expected consolidated.00.pth ...")
+            raise FileNotFoundError(f"No checkpoint files (*.pth) found in {ckpt_dir}; expected consolidated.00.pth")
         # mmap: nothing is read until a slice of a tensor is used.
         self.shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in self.files]
         self.shapes = {}

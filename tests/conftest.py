@@ -4,6 +4,7 @@ import hashlib
 import importlib.util
 import os
 import unittest
+from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -61,3 +62,54 @@ def find_tokenizer_path() -> str:
 def tokenizer_path() -> str:
     """The Llama 3 tokenizer.model path (see `find_tokenizer_path`)."""
     return find_tokenizer_path()
+
+
+# Tiny checkpoints in Meta's exact layout (random bf16 weights) ------------------------------------------------
+
+# Small enough to run in milliseconds, with GQA (4 query heads share 2 kv heads) and the real vocabulary so
+# that the real tokenizer pairs with it.
+TINY_PARAMS = {
+    "dim": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "vocab_size": 128256,
+    "multiple_of": 32,
+    "ffn_dim_multiplier": None,
+    "norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+}
+
+
+def make_checkpoint(out_dir, params=None, n_shards: int = 1, seed: int = 0) -> Path:
+    """Write a random checkpoint (params.json + consolidated.NN.pth) and return its folder."""
+    from llama.checkpoint import write_meta_checkpoint
+    from llama.demo import random_weights
+
+    params = dict(TINY_PARAMS if params is None else params)
+    write_meta_checkpoint(out_dir, params, random_weights(params, seed), n_shards)
+    return Path(out_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A one-shard tiny checkpoint, shared by the tests that only read it."""
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def process_group():
+    """A one-process gloo group with model parallel size 1, as `Llama.build` makes without torchrun."""
+    import torch
+
+    from llama.distributed import init_model_parallel
+
+    init_model_parallel(torch.device("cpu"), None, timedelta(seconds=60))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoint, tokenizer_path, process_group):
+    """A float32 Llama on the tiny checkpoint (max_seq_len 64, max_batch_size 4)."""
+    from llama import Llama
+
+    return Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=64, max_batch_size=4, device="cpu")
