@@ -297,12 +297,11 @@ def open_checkpoint(ckpt_dir) -> CheckpointReader:
     )
 
 
-def model_args_from(reader: CheckpointReader, **overrides) -> Tuple[ModelArgs, List[str]]:
-    """ModelArgs for a checkpoint, and the params.json keys that were ignored."""
+def model_args_from(params: dict, **overrides) -> Tuple[ModelArgs, List[str]]:
+    """ModelArgs for a checkpoint's params.json fields, and the fields that were ignored."""
     known = {f.name for f in fields(ModelArgs)}
-    params = {k: v for k, v in reader.params.items() if k in known}
-    ignored = sorted(set(reader.params) - known - {"tie_word_embeddings"})
-    return ModelArgs(**params, **overrides), ignored
+    ignored = sorted(set(params) - known - {"tie_word_embeddings"})
+    return ModelArgs(**{k: v for k, v in params.items() if k in known}, **overrides), ignored
 
 
 def load_rank_weights(
@@ -446,8 +445,7 @@ def atomic_output_dir(out_dir) -> Iterator[Path]:
 
 def write_meta_checkpoint(out_dir, params: dict, tensors: Dict[str, torch.Tensor], n_shards: int = 1) -> None:
     """Write params.json and consolidated.NN.pth, split over `n_shards` the way fairscale shards them."""
-    args = ModelArgs(**{k: v for k, v in params.items() if k in {f.name for f in fields(ModelArgs)}})
-    check_model_parallel_size(args, n_shards)
+    check_model_parallel_size(model_args_from(params)[0], n_shards)
     with atomic_output_dir(out_dir) as tmp_dir:
         (tmp_dir / META_PARAMS).write_text(json.dumps(params, indent=2) + "\n")
         for rank in range(n_shards):

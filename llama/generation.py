@@ -94,7 +94,7 @@ class Llama:
         device = resolve_device(device)
         reader = open_checkpoint(ckpt_dir)
         tokenizer_path = find_tokenizer(ckpt_dir, tokenizer_path)
-        model_args, ignored = model_args_from(reader, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+        model_args, ignored = model_args_from(reader.params, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
         context = SCALED_ROPE_CONTEXT if model_args.use_scaled_rope else LLAMA3_CONTEXT
         if max_seq_len > context:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds this checkpoint's context of {context} tokens")

@@ -1,0 +1,71 @@
+"""One process of a model-parallel run, launched by tests/test_parallel.py under torchrun (or plain python).
+
+    torchrun --nproc_per_node M tests/parallel_worker.py CKPT_DIR TOKENIZER OUT_PREFIX [--fail raise --fail-rank 1]
+
+Every rank builds the Llama, completes PROMPTS greedily and then with sampling, and writes
+OUT_PREFIX.rank{R}.json: its token IDs and a sha256 per parameter of the weights it loaded. Rank 0 also
+prints the greedy generations. `--fail` makes one rank misbehave on purpose, to test that the others stop.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from datetime import timedelta
+
+from llama import Llama
+
+PROMPTS = [
+    "Hi",
+    "The capital of France is",
+    "Simply put, the theory of relativity states that",
+    "Translate English to French: sea otter => loutre de mer, cheese =>",
+]
+HANG_SECONDS = 600  # longer than any test waits: a rank that never comes back
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ckpt_dir")
+    parser.add_argument("tokenizer_path")
+    parser.add_argument("out_prefix")
+    parser.add_argument("--max-gen-len", type=int, default=16)
+    parser.add_argument("--timeout", type=float, default=60, help="Llama.build's process-group timeout, seconds")
+    parser.add_argument("--fail", choices=["raise", "hang"], help="make --fail-rank raise or hang after build")
+    parser.add_argument("--fail-rank", type=int, default=1)
+    parser.add_argument("--fail-ckpt-dir", help="--fail-rank builds from this (broken) checkpoint instead")
+    args = parser.parse_args()
+    rank = int(os.environ.get("RANK", 0))
+    failing = rank == args.fail_rank
+
+    ckpt_dir = args.fail_ckpt_dir if failing and args.fail_ckpt_dir else args.ckpt_dir
+    generator = Llama.build(
+        ckpt_dir,
+        args.tokenizer_path,
+        max_seq_len=64,
+        max_batch_size=len(PROMPTS),
+        device="cpu",
+        timeout=timedelta(seconds=args.timeout),
+    )
+    if failing and args.fail == "raise":
+        raise RuntimeError(f"rank {rank} fails on purpose after build")
+    if failing and args.fail == "hang":
+        time.sleep(HANG_SECONDS)  # never enters the collectives the other ranks wait in
+
+    prompt_tokens = [generator.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]  # as text_completion
+    greedy, _ = generator.generate(prompt_tokens, args.max_gen_len, temperature=0)
+    sampled, _ = generator.generate(prompt_tokens, args.max_gen_len, temperature=0.6, top_p=0.9)
+    for prompt, tokens in zip(PROMPTS, greedy):
+        print(f"{prompt!r} -> {generator.tokenizer.decode(tokens)!r}")  # silenced on ranks > 0
+    weights = {
+        key: hashlib.sha256(tensor.float().contiguous().numpy().tobytes()).hexdigest()
+        for key, tensor in generator.model.state_dict().items()
+    }
+    result = {"rank": rank, "greedy": greedy, "sampled": sampled, "weights": weights}
+    with open(f"{args.out_prefix}.rank{rank}.json", "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
