@@ -54,7 +54,8 @@ def test_meta_hf_meta_round_trip_is_bit_identical(folders):
     before, after = model_args_from(original.params)[0], model_args_from(returned.params)[0]
     width = [FeedForward.hidden_size(4 * a.dim, a.multiple_of, a.ffn_dim_multiplier) for a in (before, after)]
     assert width[0] == width[1]
-    for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta"):
+    assert (before.n_kv_heads or before.n_heads) == after.n_kv_heads
+    for field in ("dim", "n_layers", "n_heads", "vocab_size", "norm_eps", "rope_theta", "use_scaled_rope"):
         assert getattr(before, field) == getattr(after, field), field
     assert (back / "tokenizer.model").is_file()
 

@@ -353,7 +353,7 @@ def test_tied_output_head_matches_transformers(process_group, tmp_path):
     write_meta_checkpoint(tmp_path / "tied", params, meta)
 
     reader = open_checkpoint(tmp_path / "tied")
-    args, ignored = model_args_from(reader, max_seq_len=32, max_batch_size=2)
+    args, ignored = model_args_from(reader.params, max_seq_len=32, max_batch_size=2)
     assert ignored == []
     ours = load_model(reader, args, 0, 1, torch.device("cpu"), torch.float32)
     hf = hf_model(meta, args, tie=True)
