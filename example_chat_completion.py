@@ -6,6 +6,7 @@ from typing import List, Optional
 import fire
 
 from llama import Dialog, Llama
+from llama.chat import run_chat
 
 
 def main(
@@ -18,6 +19,8 @@ def main(
     max_gen_len: Optional[int] = None,
     device: Optional[str] = None,
     dtype: Optional[str] = None,
+    interactive: bool = False,
+    system_prompt: Optional[str] = None,
 ):
     """
     Examples to run with the models finetuned for chat. Prompts correspond of chat
@@ -31,6 +34,8 @@ def main(
     `max_gen_len` is optional because finetuned models are able to stop generations naturally.
     `device` is "cuda", "cuda:N", "cpu" or "mps" (default: CUDA when available), `dtype` is
     "bfloat16", "float16" or "float32" (default: bfloat16 on CUDA, float32 on CPU).
+
+    With `--interactive`, chat in the terminal instead (optionally with `--system_prompt`).
     """
     generator = Llama.build(
         ckpt_dir=ckpt_dir,
@@ -40,6 +45,9 @@ def main(
         device=device,
         dtype=dtype,
     )
+    if interactive:
+        run_chat(generator, system_prompt, temperature, top_p, max_gen_len)
+        return
 
     dialogs: List[Dialog] = [
         [{"role": "user", "content": "what is the recipe of mayonnaise?"}],

@@ -100,6 +100,14 @@ def init_model_parallel(
                 f"start {model_parallel_size} processes (torchrun --nproc_per_node {model_parallel_size})"
             )
         fs_init.initialize_model_parallel(model_parallel_size)
+        # fairscale makes its groups with torch's default timeout (30 minutes for gloo, 10 for NCCL), and the
+        # model's all-reduces run in them: give them ours, or a rank would wait that long for a dead peer.
+        for group in (
+            fs_init.get_model_parallel_group(),
+            fs_init.get_data_parallel_group(),
+            fs_init.get_pipeline_parallel_group(),
+        ):
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
     elif fs_init.get_model_parallel_world_size() != model_parallel_size:
         raise ValueError(
             f"Model parallelism is already set up with size {fs_init.get_model_parallel_world_size()}, "

@@ -1,6 +1,8 @@
 # Copyright (c) Meta Platforms, Inc. and affiliates.
 # This software may be used and distributed in accordance with the terms of the Llama 3 Community License Agreement.
 
+import codecs
+import itertools
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +36,17 @@ class ChatPrediction(TypedDict, total=False):
     tokens: List[str]  # not required
     logprobs: List[float]  # not required
     stop_reason: StopReason  # ours: why the answer ended
+
+
+@dataclass
+class StreamChunk:
+    """New text for one prompt of a streaming call."""
+
+    index: int  # which prompt or dialog of the batch
+    text: str  # decoded text since this prompt's previous chunk
+    finished: bool = False  # this prompt's last chunk
+    stop_reason: Optional[StopReason] = None  # set on the last chunk
+    n_tokens: int = 0  # tokens generated for this prompt so far
 
 
 @dataclass
@@ -128,6 +141,86 @@ class Llama:
     @property
     def device(self) -> torch.device:
         return self.model.tok_embeddings.weight.device
+
+    def _encode_prompts(self, prompts: List[str]) -> List[List[int]]:
+        if not prompts:
+            raise ValueError("No prompts given; pass a list with at least one prompt")
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"Prompt {i} is {'empty' if prompt == '' else 'not a string'}: {prompt!r}")
+        return [self.tokenizer.encode(x, bos=True, eos=False) for x in prompts]
+
+    def _encode_dialogs(self, dialogs: List[Dialog]) -> List[List[int]]:
+        if not dialogs:
+            raise ValueError("No dialogs given; pass a list with at least one dialog")
+        for i, dialog in enumerate(dialogs):
+            if not dialog:
+                raise ValueError(f"Dialog {i} is empty; give it at least one message")
+        return [self.formatter.encode_dialog_prompt(dialog) for dialog in dialogs]
+
+    @torch.inference_mode()
+    def text_completion_stream(
+        self,
+        prompts: List[str],
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+    ) -> Iterator[StreamChunk]:
+        """Like `text_completion`, but yields each prompt's new text as soon as it can be decoded.
+
+        Chunks of different prompts interleave; join the `text` of one `index` to get its whole generation,
+        which equals `text_completion`'s for the same seed. A chunk never ends inside a multi-byte character.
+        Each prompt's last chunk has `finished=True` and its `stop_reason`.
+
+        Raises:
+            ValueError: as `text_completion`.
+        """
+        if max_gen_len is None:
+            max_gen_len = self.model.params.max_seq_len - 1
+        yield from self._stream(self._encode_prompts(prompts), max_gen_len, temperature, top_p)
+
+    @torch.inference_mode()
+    def chat_completion_stream(
+        self,
+        dialogs: List[Dialog],
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+    ) -> Iterator[StreamChunk]:
+        """Like `chat_completion`, but yields each answer's new text as soon as it can be decoded.
+
+        See `text_completion_stream` for the chunks; joined, they equal `chat_completion`'s content.
+
+        Raises:
+            ValueError: as `chat_completion`.
+        """
+        if max_gen_len is None:
+            max_gen_len = self.model.params.max_seq_len - 1
+        yield from self._stream(self._encode_dialogs(dialogs), max_gen_len, temperature, top_p)
+
+    def _stream(self, prompt_tokens, max_gen_len, temperature, top_p) -> Iterator[StreamChunk]:
+        batch = self._start(prompt_tokens, max_gen_len, temperature, top_p, logprobs=False)
+        # Tokens can end inside a UTF-8 character; the incremental decoder holds such bytes back.
+        decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in prompt_tokens]
+        sent = [0] * len(prompt_tokens)  # generated tokens already decoded, per row
+        finished = [False] * len(prompt_tokens)
+        for batch in itertools.chain([batch], self._decode(batch, temperature, top_p)):
+            for i, prompt_len in enumerate(batch.prompt_lens):
+                end = min(batch.cur_pos, prompt_len + max_gen_len)
+                if finished[i] or end <= prompt_len:
+                    continue
+                new_tokens, reason = self._cut_at_stop(batch.tokens[i, prompt_len + sent[i] : end].tolist())
+                if reason is None and end == min(batch.tokens.shape[1], prompt_len + max_gen_len):
+                    reason = "length"
+                sent[i] += len(new_tokens)
+                finished[i] = reason is not None
+                text = decoders[i].decode(self.tokenizer.decode_bytes(new_tokens), final=finished[i])
+                if text or finished[i]:
+                    yield StreamChunk(i, text, finished[i], reason, n_tokens=sent[i])
+        for i in range(len(prompt_tokens)):  # rows that had no room to generate anything
+            if not finished[i]:
+                text = decoders[i].decode(b"", final=True)
+                yield StreamChunk(index=i, text=text, finished=True, stop_reason="length", n_tokens=sent[i])
 
     @torch.inference_mode()
     def generate(
@@ -240,17 +333,19 @@ class Llama:
             start = 0 if echo else prompt_len
             toks = toks[start : prompt_len + max_gen_len]
             probs = token_logprobs[i][start : prompt_len + max_gen_len] if token_logprobs else None
-            stop_at = [toks.index(stop) for stop in self.tokenizer.stop_tokens if stop in toks]
-            reason: StopReason = "length"
-            if stop_at:
-                eos_idx = min(stop_at)
-                reason = "end_of_message" if toks[eos_idx] == self.tokenizer.eom_id else "end_of_turn"
-                toks = toks[:eos_idx]
-                probs = probs[:eos_idx] if probs is not None else None
-            out_tokens.append(toks)
-            out_logprobs.append(probs)
-            stop_reasons.append(reason)
+            cut, reason = self._cut_at_stop(toks)
+            out_tokens.append(cut)
+            out_logprobs.append(probs[: len(cut)] if probs is not None else None)
+            stop_reasons.append(reason or "length")
         return out_tokens, out_logprobs, stop_reasons
+
+    def _cut_at_stop(self, tokens: List[int]) -> Tuple[List[int], Optional[StopReason]]:
+        """`tokens` up to the first stop token, and which kind of stop it was (None: no stop token)."""
+        stop_at = [tokens.index(stop) for stop in self.tokenizer.stop_tokens if stop in tokens]
+        if not stop_at:
+            return tokens, None
+        first = min(stop_at)
+        return tokens[:first], "end_of_message" if tokens[first] == self.tokenizer.eom_id else "end_of_turn"
 
     def text_completion(
         self,
@@ -277,14 +372,9 @@ class Llama:
         Raises:
             ValueError: for an empty list, an empty prompt, too many or too long prompts, or a bad parameter.
         """
-        if not prompts:
-            raise ValueError("No prompts given; pass a list with at least one prompt")
-        for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, str) or not prompt:
-                raise ValueError(f"Prompt {i} is {'empty' if prompt == '' else 'not a string'}: {prompt!r}")
         if max_gen_len is None:
             max_gen_len = self.model.params.max_seq_len - 1
-        prompt_tokens = [self.tokenizer.encode(x, bos=True, eos=False) for x in prompts]
+        prompt_tokens = self._encode_prompts(prompts)
         generation_tokens, generation_logprobs = self.generate(
             prompt_tokens=prompt_tokens,
             max_gen_len=max_gen_len,
@@ -330,14 +420,9 @@ class Llama:
             ValueError: for an empty list or dialog, an unknown role, too many or too long dialogs, or a bad
                 parameter.
         """
-        if not dialogs:
-            raise ValueError("No dialogs given; pass a list with at least one dialog")
-        for i, dialog in enumerate(dialogs):
-            if not dialog:
-                raise ValueError(f"Dialog {i} is empty; give it at least one message")
         if max_gen_len is None:
             max_gen_len = self.model.params.max_seq_len - 1
-        prompt_tokens = [self.formatter.encode_dialog_prompt(dialog) for dialog in dialogs]
+        prompt_tokens = self._encode_dialogs(dialogs)
         batch = self._start(prompt_tokens, max_gen_len, temperature, top_p, logprobs)
         for _ in self._decode(batch, temperature, top_p):
             pass
