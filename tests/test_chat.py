@@ -1,0 +1,160 @@
+"""The interactive chat: a scripted terminal session, history trimming and Ctrl-C."""
+
+import io
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llama.chat import ChatSession, run_chat
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def chat_command(checkpoint, tokenizer_path, *extra):
+    return [
+        sys.executable,
+        str(REPO / "example_chat_completion.py"),
+        "--ckpt_dir",
+        str(checkpoint),
+        "--tokenizer_path",
+        tokenizer_path,
+        "--interactive",
+        *extra,
+    ]
+
+
+def test_scripted_session_through_stdin(tiny_checkpoint, tokenizer_path):
+    script = "Hello there\n/reset\n\nWhat is the capital of France?\n/exit\nnever read\n"
+    result = subprocess.run(
+        chat_command(tiny_checkpoint, tokenizer_path, "--max_gen_len", "6", "--system_prompt", "Be brief"),
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.count("Assistant: ") == 2  # two questions answered; the empty line asked nothing
+    assert "[history cleared]" in out
+    assert len(re.findall(r"\[6 tokens in [\d.]+ s, [\d.]+ tokens/s\]", out)) == 2
+    assert out.rstrip().endswith("User:")  # /exit ended the session before the last line was read
+
+
+def test_end_of_input_ends_the_session(tiny_llama):
+    lines = iter(["hi"])
+
+    def read(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    out = io.StringIO()
+    run_chat(tiny_llama, max_gen_len=4, input_fn=read, out=out)  # returns instead of waiting for more
+    assert out.getvalue().count("Assistant: ") == 1
+
+
+def test_history_is_trimmed_oldest_first_with_a_notice(tiny_llama):
+    out = io.StringIO()
+    session = ChatSession(tiny_llama, system_prompt="You are terse.", temperature=0, max_gen_len=8, out=out)
+    questions = [f"Question number {n}: tell me something about topic {n}." for n in range(4)]
+    for question in questions:
+        session.send(question)
+        prompt = tiny_llama.formatter.encode_dialog_prompt(session.history[:-1])
+        assert len(prompt) + 8 <= tiny_llama.model.params.max_seq_len  # the answer had room
+    assert "dropped the" in out.getvalue()
+    assert session.history[0] == {"role": "system", "content": "You are terse."}
+    kept = [m["content"] for m in session.history if m["role"] == "user"]
+    assert kept[-1] == questions[-1] and questions[0] not in kept
+    assert kept == questions[len(questions) - len(kept) :]  # what remains is the most recent turns, in order
+
+
+def test_a_message_too_long_for_the_context_is_refused_not_fatal(tiny_llama):
+    out = io.StringIO()
+    lines = iter(["word " * 200, "short", "/exit"])
+    run_chat(tiny_llama, temperature=0, max_gen_len=4, input_fn=lambda prompt: next(lines), out=out)
+    text = out.getvalue()
+    assert "does not fit in max_seq_len=64" in text
+    assert text.count("Assistant: ") == 1  # the long one was refused before generating; "short" was answered
+
+
+class InterruptingGenerator:
+    """Wraps a Llama so that its stream raises KeyboardInterrupt after two chunks, like Ctrl-C would."""
+
+    def __init__(self, llama):
+        self.llama = llama
+        self.model, self.formatter = llama.model, llama.formatter
+
+    def chat_completion_stream(self, *args, **kwargs):
+        for n, chunk in enumerate(self.llama.chat_completion_stream(*args, **kwargs)):
+            if n == 2:
+                raise KeyboardInterrupt
+            yield chunk
+
+
+def test_ctrl_c_stops_the_answer_and_keeps_the_session(tiny_llama):
+    out = io.StringIO()
+    session = ChatSession(InterruptingGenerator(tiny_llama), temperature=0, max_gen_len=20, out=out)
+    partial = session.send("Tell me a long story")
+    assert "[stopped]" in out.getvalue()
+    assert session.history[-1] == {"role": "assistant", "content": partial}
+    session.generator = tiny_llama
+    session.send("And another one")
+    assert len(session.history) == 4
+
+
+def read_until(fd, pattern, timeout):
+    buffer, deadline = b"", time.time() + timeout
+    while time.time() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                buffer += os.read(fd, 4096)
+            except OSError:
+                break
+            if re.search(pattern, buffer):
+                return buffer
+    raise AssertionError(f"did not see {pattern!r} within {timeout} s; got {buffer[-500:]!r}")
+
+
+@pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
+def test_ctrl_c_in_a_real_terminal(tiny_checkpoint, tokenizer_path):
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the chat, with a long answer budget so that Ctrl-C arrives mid-answer
+        os.environ["OMP_NUM_THREADS"] = "1"
+        command = chat_command(tiny_checkpoint, tokenizer_path, "--max_seq_len", "2048", "--max_gen_len", "2000")
+        os.execv(sys.executable, command)
+    try:
+        read_until(fd, rb"User: ", 120)
+        os.write(fd, b"Tell me everything\n")
+        read_until(fd, rb"Assistant: \S+", 60)
+        os.kill(pid, signal.SIGINT)
+        read_until(fd, rb"\[stopped\][^\n]*\n\[\d+ tokens in .*\n.*User: ", 60)
+        os.write(fd, b"/exit\n")
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                assert os.waitstatus_to_exitcode(status) == 0
+                return
+            try:
+                os.read(fd, 4096)
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("the chat did not exit after /exit")
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(fd)
