@@ -4,7 +4,8 @@
 
 Every rank builds the Llama, completes PROMPTS greedily and then with sampling, and writes
 OUT_PREFIX.rank{R}.json: its token IDs and a sha256 per parameter of the weights it loaded. Rank 0 also
-prints the greedy generations. `--fail` makes one rank misbehave on purpose, to test that the others stop.
+prints the greedy generations. `--fail` makes one rank misbehave on purpose, to test that the others stop; it writes
+OUT_PREFIX.rank{R}.failed_at (a time.time()) first. Every rank writes OUT_PREFIX.rank{R}.pid.
 """
 
 import argparse
@@ -38,6 +39,8 @@ def main() -> None:
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", 0))
     failing = rank == args.fail_rank
+    with open(f"{args.out_prefix}.rank{rank}.pid", "w") as f:  # lets the test end a worker it left behind
+        f.write(str(os.getpid()))
 
     ckpt_dir = args.fail_ckpt_dir if failing and args.fail_ckpt_dir else args.ckpt_dir
     generator = Llama.build(
@@ -48,10 +51,12 @@ def main() -> None:
         device="cpu",
         timeout=timedelta(seconds=args.timeout),
     )
-    if failing and args.fail == "raise":
-        raise RuntimeError(f"rank {rank} fails on purpose after build")
-    if failing and args.fail == "hang":
-        time.sleep(HANG_SECONDS)  # never enters the collectives the other ranks wait in
+    if failing and args.fail:
+        with open(f"{args.out_prefix}.rank{rank}.failed_at", "w") as f:  # when the others lose this rank
+            f.write(str(time.time()))
+        if args.fail == "raise":
+            raise RuntimeError(f"rank {rank} fails on purpose after build")
+        time.sleep(HANG_SECONDS)  # hang: never enter the collectives the other ranks wait in
 
     prompt_tokens = [generator.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]  # as text_completion
     greedy, _ = generator.generate(prompt_tokens, args.max_gen_len, temperature=0)

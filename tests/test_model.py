@@ -49,6 +49,14 @@ MHA_PARAMS = {  # one kv head per query head, and a width multiplier as in Llama
     "rope_theta": 10000.0,
 }
 
+# Hugging Face's name for the Llama 3.1 rule; only "factor" differs between Llama 3.1 (8) and 3.2 1B/3B (32).
+HF_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
 
 # Independent references ---------------------------------------------------------------------------------------
 
@@ -195,8 +203,9 @@ def test_rope_matches_rotate_half_formulation(theta, start_pos):
 
 
 def test_rope_keeps_input_dtype():
-    xq = torch.randn(1, 3, 2, 8, dtype=torch.bfloat16)
-    xk = torch.randn(1, 3, 1, 8, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(12)
+    xq = torch.randn(1, 3, 2, 8, generator=generator).to(torch.bfloat16)
+    xk = torch.randn(1, 3, 1, 8, generator=generator).to(torch.bfloat16)
     q, k = apply_rotary_emb(xq, xk, precompute_freqs_cis(8, 16, 500000.0)[5:8])
     assert (q.dtype, k.dtype) == (torch.bfloat16, torch.bfloat16)
     expected = rope_rotate_half(xq.float(), torch.arange(5, 8), rope_frequencies(8, 500000.0))
@@ -283,8 +292,9 @@ def test_rope_table_is_polar_of_positions_times_frequencies():
     freqs = torch.tensor(rope_frequencies(128, 500000.0))
     angles = torch.arange(64, dtype=torch.float64)[:, None] * freqs[None, :]
     torch.testing.assert_close(table.abs(), torch.ones(64, 64), rtol=0, atol=1e-6)
-    torch.testing.assert_close(torch.view_as_real(table).double(), torch.stack([angles.cos(), angles.sin()], -1),
-                               rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        torch.view_as_real(table).double(), torch.stack([angles.cos(), angles.sin()], -1), rtol=0, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("factor", [None, 8.0, 32.0])
@@ -308,13 +318,21 @@ def test_scaled_rope_matches_transformers_llama3_rope(process_group, factor):
 
     # Llama 3.2 1B shapes (head_dim 64); rope_scaling_factor None means the Llama 3.1 factor 8.
     args = ModelArgs(
-        dim=128, n_layers=1, n_heads=2, vocab_size=8, rope_theta=500000.0, max_seq_len=4, max_batch_size=1,
-        use_scaled_rope=True, rope_scaling_factor=None if factor == 8.0 else factor,
+        dim=128,
+        n_layers=1,
+        n_heads=2,
+        vocab_size=8,
+        rope_theta=500000.0,
+        max_seq_len=4,
+        max_batch_size=1,
+        use_scaled_rope=True,
+        rope_scaling_factor=None if factor == 8.0 else factor,
     )
     config = transformers.LlamaConfig(
-        hidden_size=args.dim, num_attention_heads=args.n_heads, max_position_embeddings=131072,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        hidden_size=args.dim,
+        num_attention_heads=args.n_heads,
+        max_position_embeddings=131072,
+        rope_parameters={**HF_LLAMA3_ROPE, "rope_theta": 500000.0, "factor": factor},
     )
     hf_freqs, attention_scaling = ROPE_INIT_FUNCTIONS["llama3"](config, None)
     assert attention_scaling == 1.0
@@ -330,8 +348,7 @@ def test_long_context_logits_match_transformers_beyond_8192(process_group, facto
     args = ModelArgs(**params, max_seq_len=8320, max_batch_size=1)
     seqlen = 8256
     meta = random_weights(params, seed=5, dtype=torch.float32)
-    rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}
+    rope = {**HF_LLAMA3_ROPE, "factor": factor}
     # SDPA rather than eager attention: the same math without an (8256 x 8256) score matrix per head.
     hf = hf_model(meta, args, rope=rope, attn="sdpa")
     tokens = torch.randint(0, 256, (1, seqlen), generator=torch.Generator().manual_seed(6))
@@ -361,8 +378,7 @@ def test_tied_output_head_matches_transformers(process_group, tmp_path):
 
     expected = hf_logits(hf, tokens)
     assert (ours(tokens, 0) - expected).abs().max() < ATOL
-    # And the same through the KV cache, which a load that shared or copied the weights wrongly would break.
-    ours.init_buffers(torch.device("cpu"), torch.float32)
+    # load_model builds on the meta device, so also decode through the KV caches it allocated.
     assert (incremental_logits(ours, tokens, [4, 3, 1, 1, 1]) - expected).abs().max() < ATOL
 
 
