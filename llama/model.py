@@ -39,6 +39,8 @@ class ModelArgs:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+        if self.rope_scaling_factor is not None and not self.use_scaled_rope:
+            raise ValueError("rope_scaling_factor is set but use_scaled_rope is not; set use_scaled_rope: true")
 
 
 class RMSNorm(torch.nn.Module):
