@@ -142,21 +142,127 @@ class Llama:
     def device(self) -> torch.device:
         return self.model.tok_embeddings.weight.device
 
-    def _encode_prompts(self, prompts: List[str]) -> List[List[int]]:
-        if not prompts:
-            raise ValueError("No prompts given; pass a list with at least one prompt")
-        for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, str) or not prompt:
-                raise ValueError(f"Prompt {i} is {'empty' if prompt == '' else 'not a string'}: {prompt!r}")
-        return [self.tokenizer.encode(x, bos=True, eos=False) for x in prompts]
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_tokens: List[List[int]],
+        max_gen_len: int,
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        logprobs: bool = False,
+        echo: bool = False,
+    ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
+        """Generate token sequences for a batch of tokenized prompts.
 
-    def _encode_dialogs(self, dialogs: List[Dialog]) -> List[List[int]]:
-        if not dialogs:
-            raise ValueError("No dialogs given; pass a list with at least one dialog")
-        for i, dialog in enumerate(dialogs):
-            if not dialog:
-                raise ValueError(f"Dialog {i} is empty; give it at least one message")
-        return [self.formatter.encode_dialog_prompt(dialog) for dialog in dialogs]
+        Args:
+            prompt_tokens: One list of token IDs per prompt.
+            max_gen_len: The most tokens to generate per prompt.
+            temperature: Softmax temperature; 0 means greedy decoding.
+            top_p: Nucleus sampling threshold, in (0, 1].
+            logprobs: Also return each output token's log-probability.
+            echo: Include the prompt tokens in the output.
+
+        Returns:
+            The generated tokens per prompt, cut before the first stop token, and their logprobs if asked for.
+
+        Raises:
+            ValueError: for an empty batch or prompt, a batch or prompt that is too long, or a bad parameter.
+        """
+        batch = self._start(prompt_tokens, max_gen_len, temperature, top_p, logprobs)
+        for _ in self._decode(batch, temperature, top_p):
+            pass
+        out_tokens, out_logprobs, _ = self._finish(batch, max_gen_len, echo)
+        return out_tokens, out_logprobs if logprobs else None
+
+    def text_completion(
+        self,
+        prompts: List[str],
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+        logprobs: bool = False,
+        echo: bool = False,
+    ) -> List[CompletionPrediction]:
+        """Complete each text prompt.
+
+        Args:
+            prompts: The texts to complete.
+            temperature: Softmax temperature; 0 means greedy decoding.
+            top_p: Nucleus sampling threshold, in (0, 1].
+            max_gen_len: The most tokens to generate; None means max_seq_len - 1.
+            logprobs: Also return each generated token's text and log-probability.
+            echo: Include the prompt in the generation.
+
+        Returns:
+            One CompletionPrediction per prompt: {"generation": text}, plus "tokens" and "logprobs" if asked for.
+
+        Raises:
+            ValueError: for an empty list, an empty prompt, too many or too long prompts, or a bad parameter.
+        """
+        if max_gen_len is None:
+            max_gen_len = self.model.params.max_seq_len - 1
+        prompt_tokens = self._encode_prompts(prompts)
+        generation_tokens, generation_logprobs = self.generate(
+            prompt_tokens=prompt_tokens,
+            max_gen_len=max_gen_len,
+            temperature=temperature,
+            top_p=top_p,
+            logprobs=logprobs,
+            echo=echo,
+        )
+        if logprobs:
+            return [
+                {
+                    "generation": self.tokenizer.decode(t),
+                    "tokens": [self.tokenizer.decode([x]) for x in t],
+                    "logprobs": logprobs_i,
+                }
+                for t, logprobs_i in zip(generation_tokens, generation_logprobs)
+            ]
+        return [{"generation": self.tokenizer.decode(t)} for t in generation_tokens]
+
+    @torch.inference_mode()
+    def chat_completion(
+        self,
+        dialogs: List[Dialog],
+        temperature: float = 0.6,
+        top_p: float = 0.9,
+        max_gen_len: Optional[int] = None,
+        logprobs: bool = False,
+    ) -> List[ChatPrediction]:
+        """Answer each dialog as the assistant.
+
+        Args:
+            dialogs: Conversations, each a list of {"role", "content"} messages.
+            temperature: Softmax temperature; 0 means greedy decoding.
+            top_p: Nucleus sampling threshold, in (0, 1].
+            max_gen_len: The most tokens to generate; None means max_seq_len - 1.
+            logprobs: Also return each generated token's text and log-probability.
+
+        Returns:
+            One ChatPrediction per dialog: {"generation": {"role": "assistant", "content": text},
+            "stop_reason": "end_of_turn" | "end_of_message" | "length"}, plus "tokens" and "logprobs" if asked for.
+
+        Raises:
+            ValueError: for an empty list or dialog, an unknown role, too many or too long dialogs, or a bad
+                parameter.
+        """
+        if max_gen_len is None:
+            max_gen_len = self.model.params.max_seq_len - 1
+        prompt_tokens = self._encode_dialogs(dialogs)
+        batch = self._start(prompt_tokens, max_gen_len, temperature, top_p, logprobs)
+        for _ in self._decode(batch, temperature, top_p):
+            pass
+        generation_tokens, generation_logprobs, stop_reasons = self._finish(batch, max_gen_len, echo=False)
+        results: List[ChatPrediction] = []
+        for t, logprobs_i, reason in zip(generation_tokens, generation_logprobs, stop_reasons):
+            result: ChatPrediction = {"generation": {"role": "assistant", "content": self.tokenizer.decode(t)}}
+            if logprobs:
+                result["tokens"] = [self.tokenizer.decode([x]) for x in t]
+                result["logprobs"] = logprobs_i
+            result["stop_reason"] = reason
+            results.append(result)
+        return results
 
     @torch.inference_mode()
     def text_completion_stream(
@@ -198,61 +304,21 @@ class Llama:
             max_gen_len = self.model.params.max_seq_len - 1
         yield from self._stream(self._encode_dialogs(dialogs), max_gen_len, temperature, top_p)
 
-    def _stream(self, prompt_tokens, max_gen_len, temperature, top_p) -> Iterator[StreamChunk]:
-        batch = self._start(prompt_tokens, max_gen_len, temperature, top_p, logprobs=False)
-        # Tokens can end inside a UTF-8 character; the incremental decoder holds such bytes back.
-        decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in prompt_tokens]
-        sent = [0] * len(prompt_tokens)  # generated tokens already decoded, per row
-        finished = [False] * len(prompt_tokens)
-        for batch in itertools.chain([batch], self._decode(batch, temperature, top_p)):
-            for i, prompt_len in enumerate(batch.prompt_lens):
-                end = min(batch.cur_pos, prompt_len + max_gen_len)
-                if finished[i] or end <= prompt_len:
-                    continue
-                new_tokens, reason = self._cut_at_stop(batch.tokens[i, prompt_len + sent[i] : end].tolist())
-                if reason is None and end == min(batch.tokens.shape[1], prompt_len + max_gen_len):
-                    reason = "length"
-                sent[i] += len(new_tokens)
-                finished[i] = reason is not None
-                text = decoders[i].decode(self.tokenizer.decode_bytes(new_tokens), final=finished[i])
-                if text or finished[i]:
-                    yield StreamChunk(i, text, finished[i], reason, n_tokens=sent[i])
-        for i in range(len(prompt_tokens)):  # rows that had no room to generate anything
-            if not finished[i]:
-                text = decoders[i].decode(b"", final=True)
-                yield StreamChunk(index=i, text=text, finished=True, stop_reason="length", n_tokens=sent[i])
+    def _encode_prompts(self, prompts: List[str]) -> List[List[int]]:
+        if not prompts:
+            raise ValueError("No prompts given; pass a list with at least one prompt")
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"Prompt {i} is {'empty' if prompt == '' else 'not a string'}: {prompt!r}")
+        return [self.tokenizer.encode(x, bos=True, eos=False) for x in prompts]
 
-    @torch.inference_mode()
-    def generate(
-        self,
-        prompt_tokens: List[List[int]],
-        max_gen_len: int,
-        temperature: float = 0.6,
-        top_p: float = 0.9,
-        logprobs: bool = False,
-        echo: bool = False,
-    ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
-        """Generate token sequences for a batch of tokenized prompts.
-
-        Args:
-            prompt_tokens: One list of token IDs per prompt.
-            max_gen_len: The most tokens to generate per prompt.
-            temperature: Softmax temperature; 0 means greedy decoding.
-            top_p: Nucleus sampling threshold, in (0, 1].
-            logprobs: Also return each output token's log-probability.
-            echo: Include the prompt tokens in the output.
-
-        Returns:
-            The generated tokens per prompt, cut before the first stop token, and their logprobs if asked for.
-
-        Raises:
-            ValueError: for an empty batch or prompt, a batch or prompt that is too long, or a bad parameter.
-        """
-        batch = self._start(prompt_tokens, max_gen_len, temperature, top_p, logprobs)
-        for _ in self._decode(batch, temperature, top_p):
-            pass
-        out_tokens, out_logprobs, _ = self._finish(batch, max_gen_len, echo)
-        return out_tokens, out_logprobs if logprobs else None
+    def _encode_dialogs(self, dialogs: List[Dialog]) -> List[List[int]]:
+        if not dialogs:
+            raise ValueError("No dialogs given; pass a list with at least one dialog")
+        for i, dialog in enumerate(dialogs):
+            if not dialog:
+                raise ValueError(f"Dialog {i} is empty; give it at least one message")
+        return [self.formatter.encode_dialog_prompt(dialog) for dialog in dialogs]
 
     def _start(self, prompt_tokens, max_gen_len, temperature, top_p, logprobs) -> _Batch:
         """Check the arguments and lay out the batch."""
@@ -348,95 +414,29 @@ class Llama:
         first = min(stop_at)
         return tokens[:first], "end_of_message" if tokens[first] == self.tokenizer.eom_id else "end_of_turn"
 
-    def text_completion(
-        self,
-        prompts: List[str],
-        temperature: float = 0.6,
-        top_p: float = 0.9,
-        max_gen_len: Optional[int] = None,
-        logprobs: bool = False,
-        echo: bool = False,
-    ) -> List[CompletionPrediction]:
-        """Complete each text prompt.
-
-        Args:
-            prompts: The texts to complete.
-            temperature: Softmax temperature; 0 means greedy decoding.
-            top_p: Nucleus sampling threshold, in (0, 1].
-            max_gen_len: The most tokens to generate; None means max_seq_len - 1.
-            logprobs: Also return each generated token's text and log-probability.
-            echo: Include the prompt in the generation.
-
-        Returns:
-            One CompletionPrediction per prompt: {"generation": text}, plus "tokens" and "logprobs" if asked for.
-
-        Raises:
-            ValueError: for an empty list, an empty prompt, too many or too long prompts, or a bad parameter.
-        """
-        if max_gen_len is None:
-            max_gen_len = self.model.params.max_seq_len - 1
-        prompt_tokens = self._encode_prompts(prompts)
-        generation_tokens, generation_logprobs = self.generate(
-            prompt_tokens=prompt_tokens,
-            max_gen_len=max_gen_len,
-            temperature=temperature,
-            top_p=top_p,
-            logprobs=logprobs,
-            echo=echo,
-        )
-        if logprobs:
-            return [
-                {
-                    "generation": self.tokenizer.decode(t),
-                    "tokens": [self.tokenizer.decode([x]) for x in t],
-                    "logprobs": logprobs_i,
-                }
-                for t, logprobs_i in zip(generation_tokens, generation_logprobs)
-            ]
-        return [{"generation": self.tokenizer.decode(t)} for t in generation_tokens]
-
-    @torch.inference_mode()
-    def chat_completion(
-        self,
-        dialogs: List[Dialog],
-        temperature: float = 0.6,
-        top_p: float = 0.9,
-        max_gen_len: Optional[int] = None,
-        logprobs: bool = False,
-    ) -> List[ChatPrediction]:
-        """Answer each dialog as the assistant.
-
-        Args:
-            dialogs: Conversations, each a list of {"role", "content"} messages.
-            temperature: Softmax temperature; 0 means greedy decoding.
-            top_p: Nucleus sampling threshold, in (0, 1].
-            max_gen_len: The most tokens to generate; None means max_seq_len - 1.
-            logprobs: Also return each generated token's text and log-probability.
-
-        Returns:
-            One ChatPrediction per dialog: {"generation": {"role": "assistant", "content": text},
-            "stop_reason": "end_of_turn" | "end_of_message" | "length"}, plus "tokens" and "logprobs" if asked for.
-
-        Raises:
-            ValueError: for an empty list or dialog, an unknown role, too many or too long dialogs, or a bad
-                parameter.
-        """
-        if max_gen_len is None:
-            max_gen_len = self.model.params.max_seq_len - 1
-        prompt_tokens = self._encode_dialogs(dialogs)
-        batch = self._start(prompt_tokens, max_gen_len, temperature, top_p, logprobs)
-        for _ in self._decode(batch, temperature, top_p):
-            pass
-        generation_tokens, generation_logprobs, stop_reasons = self._finish(batch, max_gen_len, echo=False)
-        results: List[ChatPrediction] = []
-        for t, logprobs_i, reason in zip(generation_tokens, generation_logprobs, stop_reasons):
-            result: ChatPrediction = {"generation": {"role": "assistant", "content": self.tokenizer.decode(t)}}
-            if logprobs:
-                result["tokens"] = [self.tokenizer.decode([x]) for x in t]
-                result["logprobs"] = logprobs_i
-            result["stop_reason"] = reason
-            results.append(result)
-        return results
+    def _stream(self, prompt_tokens, max_gen_len, temperature, top_p) -> Iterator[StreamChunk]:
+        batch = self._start(prompt_tokens, max_gen_len, temperature, top_p, logprobs=False)
+        # Tokens can end inside a UTF-8 character; the incremental decoder holds such bytes back.
+        decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in prompt_tokens]
+        sent = [0] * len(prompt_tokens)  # generated tokens already decoded, per row
+        finished = [False] * len(prompt_tokens)
+        for batch in itertools.chain([batch], self._decode(batch, temperature, top_p)):
+            for i, prompt_len in enumerate(batch.prompt_lens):
+                end = min(batch.cur_pos, prompt_len + max_gen_len)
+                if finished[i] or end <= prompt_len:
+                    continue
+                new_tokens, reason = self._cut_at_stop(batch.tokens[i, prompt_len + sent[i] : end].tolist())
+                if reason is None and end == min(batch.tokens.shape[1], prompt_len + max_gen_len):
+                    reason = "length"
+                sent[i] += len(new_tokens)
+                finished[i] = reason is not None
+                text = decoders[i].decode(self.tokenizer.decode_bytes(new_tokens), final=finished[i])
+                if text or finished[i]:
+                    yield StreamChunk(i, text, finished[i], reason, n_tokens=sent[i])
+        for i in range(len(prompt_tokens)):  # rows that had no room to generate anything
+            if not finished[i]:
+                text = decoders[i].decode(b"", final=True)
+                yield StreamChunk(index=i, text=text, finished=True, stop_reason="length", n_tokens=sent[i])
 
 
 def check_sampling(temperature: float, top_p: float, max_gen_len: int) -> None:
