@@ -17,7 +17,7 @@ class ScriptedModel(nn.Module):
         self.tok_embeddings = nn.Embedding(1, 1)
         self.script = script
 
-    def forward(self, tokens, start_pos):
+    def forward(self, tokens, start_pos, last_logits_only=False):
         bsz, seqlen = tokens.shape
         logits = torch.zeros(bsz, seqlen, self.params.vocab_size)
         for row in range(bsz):
@@ -25,7 +25,7 @@ class ScriptedModel(nn.Module):
                 step = start_pos + i + 1 - self.prompt_len
                 if 0 <= step < len(self.script):
                     logits[row, i, self.script[step]] = 100.0
-        return logits
+        return logits[:, -1:] if last_logits_only else logits
 
 
 def is_utf8(data: bytes) -> bool:
