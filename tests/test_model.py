@@ -277,6 +277,12 @@ def test_logits_match_transformers(process_group, params):
     cached = incremental_logits(ours, tokens, [6, 4, 1, 1, 1, 1, 1, 1])
     assert (cached - expected).abs().max() < ATOL
 
+    # The speed-up generation uses when it needs no logprobs: logits for the last position only.
+    last = ours(tokens, 0, last_logits_only=True)
+    assert last.shape == (2, 1, params["vocab_size"])
+    assert (last - expected[:, -1:]).abs().max() < ATOL
+    assert torch.equal(last.argmax(-1), expected[:, -1:].argmax(-1))
+
 
 # 4. Scaled RoPE (Llama 3.1 and later) -------------------------------------------------------------------------
 
