@@ -76,14 +76,17 @@ def resolve_dtype(dtype: Union[str, torch.dtype, None], device: torch.device) ->
     return DTYPES[str(dtype).lower()]
 
 
-def init_model_parallel(
-    device: torch.device, model_parallel_size: Optional[int], timeout: timedelta
-) -> int:
+def init_model_parallel(device: torch.device, model_parallel_size: Optional[int], timeout: timedelta) -> int:
     """Join (or create) the process group and fairscale's model-parallel groups; returns the MP size.
+
+    A collective in any of these groups fails after `timeout`, so a process whose peer died or hangs raises
+    instead of waiting forever.
 
     Raises:
         ValueError: when model_parallel_size does not match the processes torchrun started.
     """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before any NCCL group exists, so that each binds to this GPU
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -102,19 +105,19 @@ def init_model_parallel(
         fs_init.initialize_model_parallel(model_parallel_size)
         # fairscale makes its groups with torch's default timeout (30 minutes for gloo, 10 for NCCL), and the
         # model's all-reduces run in them: give them ours, or a rank would wait that long for a dead peer.
+        # (newer torch releases name _set_pg_timeout publicly: torch.distributed.set_timeout.)
+        set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
         for group in (
             fs_init.get_model_parallel_group(),
             fs_init.get_data_parallel_group(),
             fs_init.get_pipeline_parallel_group(),
         ):
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
+            set_timeout(timeout, group)
     elif fs_init.get_model_parallel_world_size() != model_parallel_size:
         raise ValueError(
             f"Model parallelism is already set up with size {fs_init.get_model_parallel_world_size()}, "
             f"not {model_parallel_size}"
         )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     if global_rank() > 0:  # only the first process prints, as in the reference
         sys.stdout = open(os.devnull, "w")
     return model_parallel_size

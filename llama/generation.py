@@ -305,6 +305,8 @@ class Llama:
         yield from self._stream(self._encode_dialogs(dialogs), max_gen_len, temperature, top_p)
 
     def _encode_prompts(self, prompts: List[str]) -> List[List[int]]:
+        if isinstance(prompts, str):
+            raise ValueError("prompts must be a list of strings; wrap a single prompt in a list: [prompt]")
         if not prompts:
             raise ValueError("No prompts given; pass a list with at least one prompt")
         for i, prompt in enumerate(prompts):
@@ -316,6 +318,8 @@ class Llama:
         if not dialogs:
             raise ValueError("No dialogs given; pass a list with at least one dialog")
         for i, dialog in enumerate(dialogs):
+            if isinstance(dialog, dict):
+                raise ValueError("dialogs must be a list of dialogs (lists of messages); wrap one dialog in a list")
             if not dialog:
                 raise ValueError(f"Dialog {i} is empty; give it at least one message")
         return [self.formatter.encode_dialog_prompt(dialog) for dialog in dialogs]
@@ -324,6 +328,8 @@ class Llama:
         """Check the arguments and lay out the batch."""
         params = self.model.params
         check_sampling(temperature, top_p, max_gen_len)
+        if any(not isinstance(t, (list, tuple)) for t in prompt_tokens):
+            raise ValueError("prompt_tokens must be a list of token-ID lists; wrap a single prompt in a list")
         bsz = len(prompt_tokens)
         if bsz == 0:
             raise ValueError("No prompts given; pass at least one")
@@ -336,6 +342,11 @@ class Llama:
                 raise ValueError(
                     f"Prompt {i} is {len(t)} tokens long, longer than max_seq_len={params.max_seq_len}; "
                     "shorten it or raise max_seq_len in Llama.build"
+                )
+            outside = [x for x in t if not (isinstance(x, int) and 0 <= x < params.vocab_size)]
+            if outside:
+                raise ValueError(
+                    f"Prompt {i} has token IDs outside the vocabulary [0, {params.vocab_size}): {outside[:5]}"
                 )
         total_len = min(params.max_seq_len, max_gen_len + max(len(t) for t in prompt_tokens))
         tokens = torch.full((bsz, total_len), self.tokenizer.pad_id, dtype=torch.long, device=self.device)

@@ -1,0 +1,319 @@
+"""Model parallelism on CPU: tests/parallel_worker.py run under torchrun with gloo, on tiny random checkpoints.
+
+What a user would notice, each checked against one plain `python` process on the 1-shard checkpoint of the
+same weights (the reference output):
+- `torchrun --nproc_per_node 2` on a 2-shard checkpoint gives the same greedy tokens, and every rank samples
+  the same tokens; only rank 0 prints.
+- Any shard count N on disk runs on any M processes (1->2, 2->1, 4->2, 2->4): each rank holds exactly the
+  slice the native M-shard layout would give it, and the output is the same.
+- Two torchrun invocations as two nodes give the same output; only global rank 0 prints.
+- When one rank fails or hangs, the others exit with an error instead of waiting forever: within seconds
+  under one torchrun (its agent stops the group), and within the process-group timeout plus a few seconds
+  for separate invocations (multi-node), where the survivor has only that timeout to rely on.
+
+Every run is a subprocess with a deadline, so a hang fails the test instead of blocking CI.
+"""
+
+import functools
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+from conftest import TINY_PARAMS, make_checkpoint
+
+from llama.checkpoint import split_dim
+from llama.demo import random_weights
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("parallel_worker.py")
+RUN_DEADLINE = 150  # seconds for any one run; a healthy one takes about 10 on 2 CPU cores
+FAULT_TIMEOUT = 10  # Llama.build(timeout=...) in the fault tests, seconds
+SLACK = 10  # seconds a survivor may take beyond FAULT_TIMEOUT to notice, fail and exit
+SEED = 0  # random_weights seed shared by every checkpoint, so all layouts hold the same weights
+MAX_GEN_LEN = 16  # parallel_worker's default
+
+PARAMS = {
+    "gqa": TINY_PARAMS,  # 4 heads sharing 2 kv heads: model-parallel sizes 1 and 2
+    "mp4": dict(TINY_PARAMS, n_heads=8, n_kv_heads=4),  # splits up to 4 ways
+}
+
+
+@dataclass
+class Run:
+    """One finished launch: exit codes and logs per invocation, and what each rank wrote."""
+
+    returncodes: List[int]
+    stdouts: List[str]
+    stderrs: List[str]
+    ended: List[float]  # time.time() at which each invocation was seen to exit
+    out_prefix: Path
+
+    def results(self, world_size: int) -> List[dict]:
+        """Each rank's JSON, after checking that all ranks decoded the same tokens."""
+        ranks = [json.loads(Path(f"{self.out_prefix}.rank{r}.json").read_text()) for r in range(world_size)]
+        for rank in ranks[1:]:
+            assert rank["greedy"] == ranks[0]["greedy"], f"rank {rank['rank']} decoded other greedy tokens"
+            assert rank["sampled"] == ranks[0]["sampled"], f"rank {rank['rank']} sampled other tokens"
+        return ranks
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env() -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def torchrun(*launcher_args) -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *map(str, launcher_args), str(WORKER)]
+
+
+def launch(
+    commands: List[List[str]],
+    ckpt: Path,
+    tokenizer_path: str,
+    out_prefix: Path,
+    *worker_args,
+    wait_for: Optional[List[int]] = None,
+) -> Run:
+    """Start the commands together (each followed by the worker's arguments) and wait for those in `wait_for`
+    (default: all) to exit, within RUN_DEADLINE; the others are then stopped.
+
+    Raises:
+        pytest.fail.Exception: when a command in `wait_for` is still running at the deadline.
+    """
+    wait_for = list(range(len(commands))) if wait_for is None else wait_for
+    args = [str(ckpt), tokenizer_path, str(out_prefix), *map(str, worker_args)]
+    logs = [(Path(f"{out_prefix}.{i}.stdout"), Path(f"{out_prefix}.{i}.stderr")) for i in range(len(commands))]
+    procs = []
+    for command, (stdout, stderr) in zip(commands, logs):
+        with open(stdout, "w") as out, open(stderr, "w") as err:
+            procs.append(
+                subprocess.Popen(command + args, stdout=out, stderr=err, env=worker_env(), start_new_session=True)
+            )
+    ended = [float("nan")] * len(procs)
+    deadline = time.monotonic() + RUN_DEADLINE
+    try:
+        while time.monotonic() < deadline and any(procs[i].returncode is None for i in wait_for):
+            for i, proc in enumerate(procs):
+                if proc.returncode is None and proc.poll() is not None:
+                    ended[i] = time.time()
+            time.sleep(0.05)
+        late = [i for i in wait_for if procs[i].returncode is None]
+    finally:
+        stop(procs, out_prefix)
+    if late:
+        pytest.fail(f"command(s) {late} still running after {RUN_DEADLINE} s: {[commands[i] for i in late]}")
+    return Run(
+        returncodes=[p.returncode for p in procs],
+        stdouts=[out.read_text() for out, _ in logs],
+        stderrs=[err.read_text() for _, err in logs],
+        ended=ended,
+        out_prefix=out_prefix,
+    )
+
+
+def stop(procs: List[subprocess.Popen], out_prefix: Path) -> None:
+    """End what is still running: torchrun stops its workers on SIGTERM; a worker left behind is killed by
+    the pid it wrote."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for pid_file in out_prefix.parent.glob(f"{out_prefix.name}.rank*.pid"):
+        pid = int(pid_file.read_text())
+        try:
+            if "parallel_worker" in Path(f"/proc/{pid}/cmdline").read_text():
+                os.kill(pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # already gone
+
+
+def single_node(nproc: int) -> List[List[str]]:
+    return [torchrun("--standalone", "--nproc_per_node", nproc)]
+
+
+def two_nodes() -> List[List[str]]:
+    """Two torchrun invocations, one process each, that meet as two nodes of one job on this machine."""
+    port = free_port()
+    node = ["--nnodes", 2, "--nproc_per_node", 1, "--master_addr", "127.0.0.1", "--master_port", port]
+    return [torchrun(*node, "--node_rank", 0), torchrun(*node, "--node_rank", 1)]
+
+
+def plain_python() -> List[List[str]]:
+    return [[sys.executable, str(WORKER)]]
+
+
+@functools.cache
+def expected_digests(name: str, mp_size: int) -> List[Dict[str, str]]:
+    """Per rank, the sha256 of each float32 tensor it holds in the native mp_size-shard layout of PARAMS[name]."""
+    digests = [{} for _ in range(mp_size)]
+    for key, tensor in random_weights(PARAMS[name], SEED).items():
+        dim = split_dim(key)
+        for rank in range(mp_size):
+            piece = tensor if dim is None else tensor.chunk(mp_size, dim=dim)[rank]
+            digests[rank][key] = hashlib.sha256(piece.float().contiguous().numpy().tobytes()).hexdigest()
+    return digests
+
+
+def assert_only_rank0_printed(run: Run) -> None:
+    printed = "".join(run.stdouts)
+    assert printed.count("Loaded in") == 1, printed
+    assert printed.count(" -> ") == 4, printed  # one line per prompt, from rank 0 only
+
+
+# Fixtures: checkpoints, each written once, and the runs more than one test compares against ------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """checkpoint(name, n_shards): the PARAMS[name] checkpoint with seed SEED, in n_shards shards."""
+    cache = {}
+
+    def get(name: str, n_shards: int) -> Path:
+        if (name, n_shards) not in cache:
+            out = tmp_path_factory.mktemp("parallel_ckpt") / f"{name}-{n_shards}"
+            cache[name, n_shards] = make_checkpoint(out, PARAMS[name], n_shards, seed=SEED)
+        return cache[name, n_shards]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, tokenizer_path, tmp_path_factory):
+    """reference(name): rank 0's results of one plain python process on the 1-shard checkpoint."""
+    cache = {}
+
+    def get(name: str) -> dict:
+        if name not in cache:
+            out_prefix = tmp_path_factory.mktemp("parallel_ref") / name
+            run = launch(plain_python(), checkpoint(name, 1), tokenizer_path, out_prefix)
+            assert run.returncodes == [0], run.stderrs[0]
+            cache[name] = run.results(1)[0]
+            greedy = cache[name]["greedy"]
+            # Non-trivial output to compare: full-length rows, different per prompt, and sampling that samples.
+            assert [len(row) for row in greedy] == [MAX_GEN_LEN] * 4
+            assert len({tuple(row) for row in greedy}) == 4
+            sampled = cache[name]["sampled"]  # the first two prompts, half as long
+            assert [len(row) for row in sampled] == [MAX_GEN_LEN // 2] * 2
+            assert sampled != [row[: MAX_GEN_LEN // 2] for row in greedy[:2]]
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def two_processes(checkpoint, tokenizer_path, tmp_path_factory) -> Run:
+    """`torchrun --nproc_per_node 2` on the 2-shard gqa checkpoint: the native layout for 2 processes."""
+    run = launch(single_node(2), checkpoint("gqa", 2), tokenizer_path, tmp_path_factory.mktemp("parallel") / "out")
+    assert run.returncodes == [0], run.stderrs[0]
+    return run
+
+
+# Correctness -------------------------------------------------------------------------------------------------
+
+
+def test_two_processes_match_one_process(two_processes, reference):
+    ranks = two_processes.results(2)
+    assert ranks[0]["greedy"] == reference("gqa")["greedy"]
+    assert_only_rank0_printed(two_processes)
+
+
+@pytest.mark.parametrize(
+    "name, n_shards, nproc",
+    [("gqa", 1, 2), ("gqa", 2, 1), ("mp4", 4, 2), ("mp4", 2, 4)],
+    ids=["1to2", "2to1", "4to2", "2to4"],
+)
+def test_resharding(name, n_shards, nproc, checkpoint, reference, two_processes, tokenizer_path, tmp_path):
+    commands = plain_python() if nproc == 1 else single_node(nproc)
+    run = launch(commands, checkpoint(name, n_shards), tokenizer_path, tmp_path / "out")
+    assert run.returncodes == [0], run.stderrs[0]
+    ranks = run.results(nproc)
+    for rank in ranks:  # exactly the native nproc-shard slice, bit for bit
+        assert rank["weights"] == expected_digests(name, nproc)[rank["rank"]], f"rank {rank['rank']}"
+    assert ranks[0]["greedy"] == reference(name)["greedy"]
+    if name == "gqa":  # the native layout ran too: same weights per rank, same reductions, same samples
+        native = reference("gqa") if nproc == 1 else two_processes.results(2)[0]
+        assert ranks[0]["sampled"] == native["sampled"]
+    assert_only_rank0_printed(run)
+
+
+def test_two_nodes(checkpoint, reference, tokenizer_path, tmp_path):
+    run = launch(two_nodes(), checkpoint("gqa", 2), tokenizer_path, tmp_path / "out")
+    assert run.returncodes == [0, 0], run.stderrs
+    ranks = run.results(2)
+    assert ranks[0]["greedy"] == reference("gqa")["greedy"]
+    assert "Loaded in" in run.stdouts[0]
+    assert "Loaded in" not in run.stdouts[1] and " -> " not in run.stdouts[1], run.stdouts[1]
+    assert_only_rank0_printed(run)
+
+
+# Faults: a failing rank must not leave the others waiting ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def broken_checkpoints(checkpoint, tmp_path_factory) -> Dict[str, Path]:
+    """The 2-shard gqa checkpoint with consolidated.01.pth missing, or cut short (not a zip file any more)."""
+    source = checkpoint("gqa", 2)
+    broken = {}
+    for kind in ("missing", "truncated"):
+        folder = tmp_path_factory.mktemp(f"broken_{kind}")
+        (folder / "params.json").write_bytes((source / "params.json").read_bytes())
+        (folder / "consolidated.00.pth").symlink_to(source / "consolidated.00.pth")
+        if kind == "truncated":
+            (folder / "consolidated.01.pth").write_bytes((source / "consolidated.01.pth").read_bytes()[:1000])
+        broken[kind] = folder
+    return broken
+
+
+@pytest.mark.parametrize("fault", ["raise", "missing"])
+def test_failing_rank_stops_torchrun(fault, checkpoint, broken_checkpoints, tokenizer_path, tmp_path):
+    """One torchrun, rank 1 raises after build (rank 0 is then in generate's all-reduce) or finds its shard
+    missing (a shape error while loading). With a collective timeout far longer than the test allows, only
+    torchrun's agent can end rank 0: it must, and exit non-zero, within 60 s of the launch."""
+    fail = ["--fail", "raise"] if fault == "raise" else ["--fail-ckpt-dir", broken_checkpoints[fault]]
+    started = time.time()
+    run = launch(single_node(2), checkpoint("gqa", 2), tokenizer_path, tmp_path / "out", *fail, "--timeout", 600)
+    assert run.returncodes[0] != 0
+    assert run.ended[0] - started < 60, f"took {run.ended[0] - started:.0f} s"
+    assert ("fails on purpose" if fault == "raise" else "has shape") in run.stderrs[0], run.stderrs[0][-3000:]
+
+
+@pytest.mark.parametrize("fault", ["hang", "raise", "truncated"])
+def test_survivor_gives_up_on_lost_node(fault, checkpoint, broken_checkpoints, tokenizer_path, tmp_path):
+    """Two single-process nodes; node 1 hangs or raises after build, or cannot read its shard (and so never
+    joins the process group). Nothing stops node 0 but its own collectives: it must fail within
+    FAULT_TIMEOUT + SLACK of losing node 1, with an error that says why."""
+    fail = ["--fail", fault] if fault in ("hang", "raise") else ["--fail-ckpt-dir", broken_checkpoints[fault]]
+    out_prefix = tmp_path / "out"
+    wait_for = [0] if fault == "hang" else [0, 1]  # a hung node 1 is stopped once node 0 is done
+    worker_args = [*fail, "--timeout", FAULT_TIMEOUT]
+    run = launch(two_nodes(), checkpoint("gqa", 2), tokenizer_path, out_prefix, *worker_args, wait_for=wait_for)
+    assert run.returncodes[0] != 0, run.stderrs[0]
+    failed_at_file = Path(f"{out_prefix}.rank1.failed_at")
+    lost_at = float(failed_at_file.read_text()) if failed_at_file.exists() else run.ended[1]
+    assert run.ended[0] - lost_at < FAULT_TIMEOUT + SLACK, f"took {run.ended[0] - lost_at:.1f} s"
+    if fault == "hang":  # only the all-reduce's timeout can have ended it
+        assert "timed out" in run.stderrs[0].lower(), run.stderrs[0][-3000:]
+    if fault == "truncated":  # node 0 waited for node 1 to join the group, up to the timeout
+        assert "timeout" in run.stderrs[0].lower(), run.stderrs[0][-3000:]
