@@ -69,8 +69,8 @@ class CheckpointReader:
         """Where `key` lives, for error messages."""
         raise NotImplementedError
 
-    def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None):
-        """The tensor `key`, or its slice [start, start + length) along `dim`."""
+    def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None, dtype=None):
+        """The tensor `key`, or its slice [start, start + length) along `dim` (in `dtype` if pieces are joined)."""
         raise NotImplementedError
 
 
@@ -110,7 +110,7 @@ class MetaCheckpoint(CheckpointReader):
     def source(self, key: str) -> str:
         return ", ".join(f.name for f in self.files)
 
-    def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None):
+    def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None, dtype=None):
         if dim is None:
             return self.shards[0][key]
         # Gather [start, start + length) of the concatenation of all shards along `dim`.
@@ -120,7 +120,12 @@ class MetaCheckpoint(CheckpointReader):
             lo, hi = max(start, index * per_shard), min(end, (index + 1) * per_shard)
             if lo < hi:
                 pieces.append(shard[key].narrow(dim, lo - index * per_shard, hi - lo))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+        if len(pieces) == 1:
+            return pieces[0]
+        # Join straight into the dtype asked for: no extra copy of the whole slice in the stored dtype.
+        shape = list(pieces[0].shape)
+        shape[dim] = length
+        return torch.cat(pieces, dim=dim, out=torch.empty(shape, dtype=dtype or pieces[0].dtype))
 
 
 # Hugging Face name -> Meta name. Layer index is kept; q and k also need their rows un-permuted (see below).
@@ -260,7 +265,7 @@ class HuggingFaceCheckpoint(CheckpointReader):
         file_name, hf_name = self.files[key]
         return f"{file_name} ({hf_name})"
 
-    def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None):
+    def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None, dtype=None):
         file_name, hf_name = self.files[key]
         tensor_slice = self.handles[file_name].get_slice(hf_name)
         if dim is None:
@@ -342,7 +347,7 @@ def load_rank_weights(
         if dim is None:
             tensor = reader.read(source_key)
         else:
-            tensor = reader.read(source_key, dim, mp_rank * local_shape[dim], local_shape[dim])
+            tensor = reader.read(source_key, dim, mp_rank * local_shape[dim], local_shape[dim], dtype)
         weights[key] = tensor.to(device=device, dtype=dtype).contiguous()
     if tied:
         weights["output.weight"] = weights["tok_embeddings.weight"]
