@@ -400,7 +400,7 @@ def load_model(
     expected_shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
     weights = load_rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device)
     model.load_state_dict(weights, strict=True, assign=True)
-    model.init_buffers(device, dtype)
+    model.init_kv_caches(device, dtype)
     return model.eval()
 
 

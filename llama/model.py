@@ -73,9 +73,14 @@ def apply_scaling(freqs: torch.Tensor, scale_factor: float = 8) -> torch.Tensor:
 
 
 def precompute_freqs_cis(
-    dim: int, end: int, theta: float = 10000.0, use_scaled: bool = False, scale_factor: Optional[float] = None
+    dim: int,
+    end: int,
+    theta: float = 10000.0,
+    use_scaled: bool = False,
+    scale_factor: Optional[float] = None,
+    device: Optional[torch.device] = None,
 ):
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device)[: (dim // 2)].float() / dim))
     if use_scaled:
         freqs = apply_scaling(freqs, scale_factor or 8)
     t = torch.arange(end, device=freqs.device, dtype=torch.float32)
@@ -263,9 +268,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = ColumnParallelLinear(params.dim, params.vocab_size, bias=False, init_method=lambda x: x)
 
-        self.freqs_cis = self.rope_table()
+        self.freqs_cis = None  # the RoPE table, made on the model's device at the first forward
 
-    def rope_table(self) -> torch.Tensor:
+    def rope_table(self, device: Optional[torch.device] = None) -> torch.Tensor:
         params = self.params
         return precompute_freqs_cis(
             params.dim // params.n_heads,
@@ -273,11 +278,12 @@ class Transformer(nn.Module):
             params.rope_theta,
             params.use_scaled_rope,
             params.rope_scaling_factor,
+            device,
         )
 
-    def init_buffers(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
-        """Allocate the RoPE table and zeroed KV caches on `device`, e.g. after building on the meta device."""
-        self.freqs_cis = self.rope_table().to(device)
+    def init_kv_caches(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
+        """Allocate zeroed KV caches on `device` (after building on the meta device, or to start afresh)."""
+        self.freqs_cis = None
         for layer in self.layers:
             layer.attention.init_cache(device, dtype)
 
@@ -285,7 +291,8 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, start_pos: int, last_logits_only: bool = False):
         _bsz, seqlen = tokens.shape
         h = self.tok_embeddings(tokens)
-        self.freqs_cis = self.freqs_cis.to(h.device)
+        if self.freqs_cis is None or self.freqs_cis.device != h.device:
+            self.freqs_cis = self.rope_table(h.device)  # computed where the model runs, as in the reference
         freqs_cis = self.freqs_cis[start_pos : start_pos + seqlen]
 
         mask = None

@@ -342,7 +342,7 @@ def test_scaled_rope_matches_transformers_llama3_rope(process_group, factor):
     )
     hf_freqs, attention_scaling = ROPE_INIT_FUNCTIONS["llama3"](config, None)
     assert attention_scaling == 1.0
-    ours = frequencies_of(Transformer(args).freqs_cis)
+    ours = frequencies_of(Transformer(args).rope_table())
     torch.testing.assert_close(ours, hf_freqs.double(), rtol=1e-5, atol=0)
 
 
