@@ -136,6 +136,16 @@ def peak_memory_mb(device: str) -> float:
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) / 1024
 
 
+def decode_step_bytes(model) -> int:
+    """Bytes one batch-1 decode step reads: every weight once, except the embedding table (one row is read),
+    unless it doubles as the output head."""
+    weights = {}  # data pointer -> bytes: a tied head and the embedding are one tensor
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name != "tok_embeddings.weight":
+            weights[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(weights.values())
+
+
 def worker_llama(args) -> dict:
     import torch
 
@@ -150,11 +160,7 @@ def worker_llama(args) -> dict:
     result = {"load_s": time.perf_counter() - start}
     generator.tokenizer.stop_tokens = set()  # random weights: decode for exactly the steps asked
     model, steps = generator.model, args.decode_steps
-    weights = [p for name, p in model.named_parameters() if name != "tok_embeddings.weight"]
-    tied = model.output.weight.data_ptr() == model.tok_embeddings.weight.data_ptr()
-    result["step_bytes"] = sum(p.numel() * p.element_size() for p in weights) + (
-        model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size() if tied else 0
-    )
+    result["step_bytes"] = decode_step_bytes(model)
     prompt = torch.randint(0, 128000, (1, args.prefill_len), device=generator.device)
     full = timed(lambda: model.forward(prompt, 0), args.device)
     last = timed(lambda: model.forward(prompt, 0, last_logits_only=True), args.device)
