@@ -399,6 +399,14 @@ def load_model(
         model = Transformer(model_args)
     expected_shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
     weights = load_rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device)
+    if device.type == "cpu" and dtype == torch.float32:
+        # Decoding multiplies one row by the vocab-sized output head; MKL does that about 3x faster when the
+        # head is stored column-major. Same values and shape, only the memory layout differs.
+        head = weights["output.weight"]
+        column_major = torch.empty_strided(head.shape, (1, head.shape[0]), dtype=dtype).copy_(head)
+        for key in ("output.weight", "tok_embeddings.weight"):
+            if weights[key] is head:  # a tied head is the embedding too
+                weights[key] = column_major
     model.load_state_dict(weights, strict=True, assign=True)
     model.init_kv_caches(device, dtype)
     return model.eval()

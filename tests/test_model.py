@@ -459,3 +459,39 @@ def test_model_args_defaults_are_llama3_8b_shaped():
     assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads) == (4096, 32, 32, None)
     assert (args.vocab_size, args.multiple_of, args.ffn_dim_multiplier, args.norm_eps) == (-1, 256, None, 1e-5)
     assert (args.rope_theta, args.max_batch_size, args.max_seq_len) == (500000, 32, 2048)
+
+
+# 7. Speed-ups keep the reference math --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_column_major_output_head_gives_the_reference_logits(process_group, tmp_path, tie):
+    """On CPU in float32 the loader stores the output head column-major (a faster matrix-vector product)."""
+    params = dict(GQA_PARAMS, vocab_size=4096)
+    weights = random_weights(params, seed=11)
+    if tie:
+        del weights["output.weight"]
+    write_meta_checkpoint(tmp_path / "ckpt", params, weights)
+    args = ModelArgs(**params, max_seq_len=32, max_batch_size=2)
+    reader = open_checkpoint(tmp_path / "ckpt")
+    loaded = load_model(
+        reader,
+        model_args_from(reader.params, max_seq_len=32, max_batch_size=2)[0],
+        0,
+        1,
+        torch.device("cpu"),
+        torch.float32,
+    )
+    assert loaded.output.weight.stride() == (1, params["vocab_size"])  # the layout really changed
+    if tie:
+        assert loaded.output.weight.data_ptr() == loaded.tok_embeddings.weight.data_ptr()
+        weights["output.weight"] = weights["tok_embeddings.weight"]
+    reference = our_model({k: v.float() for k, v in weights.items()}, args)  # row-major, as in the reference
+    assert reference.output.weight.is_contiguous()
+
+    tokens = torch.randint(0, params["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
+    expected = reference(tokens, 0)
+    assert (loaded(tokens, 0) - expected).abs().max() < ATOL
+    steps = incremental_logits(loaded, tokens, [8, 1, 1, 1, 1])
+    assert (steps - expected).abs().max() < ATOL
+    assert torch.equal(steps.argmax(-1), expected.argmax(-1))
