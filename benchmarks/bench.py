@@ -94,18 +94,18 @@ def read_seconds(folder: Path) -> float:
 
 
 def memory_bandwidth(device: str, threads: int) -> float:
-    """Bytes per second of a large read: the sum of a 1 GiB float32 tensor (best of 5)."""
+    """Bytes per second of a large read: the sum of a 1 GiB float32 tensor (median of 7)."""
     import torch
 
     torch.set_num_threads(threads)
     x = torch.ones(2**28, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(5):
+    seconds = []
+    for _ in range(7):
         sync(device)
         start = time.perf_counter()
         x.sum().item()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best
+        seconds.append(time.perf_counter() - start)
+    return x.numel() * 4 / sorted(seconds)[3]
 
 
 def sync(device: str) -> None:
