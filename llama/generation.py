@@ -118,6 +118,7 @@ class Llama:
         start_time = time.time()
         model_parallel_size = init_model_parallel(device, model_parallel_size, timeout)
         torch.manual_seed(seed)  # the same in all processes: they must sample the same tokens
+        print(f"Loading a {'Meta' if reader.format == 'meta' else 'Hugging Face'} checkpoint from {ckpt_dir}")
         if ignored:
             print(f"Ignoring unknown checkpoint parameters: {ignored}")
 

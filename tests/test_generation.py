@@ -449,3 +449,37 @@ def test_chat_completion_ends_at_end_of_turn(stopping_llama):
     assert len(results[0]["logprobs"]) == len(answer)
     assert results[1]["generation"] == {"role": "assistant", "content": g.tokenizer.decode(other)}
     assert results[1]["stop_reason"] == "length"
+
+
+EOM = 128008  # <|eom_id|> in Llama 3.1; <|reserved_special_token_4|> in Llama 3
+
+
+def test_eom_stops_llama31_chat_and_is_reported(tiny_llama, tokenizer_path):
+    """With Llama 3.1 names, <|eom_id|> ends the answer as "end_of_message"; for Llama 3 it is ordinary."""
+    from llama.tokenizer import Tokenizer
+
+    tokenizer31 = Tokenizer(tokenizer_path, version="3.1")
+    dialog = [{"role": "user", "content": "Call the weather tool."}]
+    chat_ids = chat_prompt(tiny_llama.tokenizer, dialog)
+    model = copy.deepcopy(tiny_llama.model)
+    logits = full_logits(tiny_llama.model, chat_ids + greedy_alone(tiny_llama.model, chat_ids, 2))[-1]
+    x = int(logits.argmax())
+    assert logits[x] > 0, "the trick needs the winner's logit to be positive"
+    with torch.no_grad():
+        model.output.weight[EOM] = 1.05 * model.output.weight[x]
+
+    llama31, llama3 = Llama(model, tokenizer31), Llama(model, tiny_llama.tokenizer)
+    (answer,), _ = llama3.generate([chat_ids], max_gen_len=8, temperature=0)
+    assert EOM in answer, "the modified head makes greedy decoding emit <|eom_id|>"
+    cut = answer[: answer.index(EOM)]
+
+    result = llama31.chat_completion([dialog], temperature=0, max_gen_len=8)[0]
+    assert result["generation"]["content"] == tokenizer31.decode(cut)
+    assert result["stop_reason"] == "end_of_message"
+    chunks = list(llama31.chat_completion_stream([dialog], temperature=0, max_gen_len=8))
+    assert "".join(c.text for c in chunks) == tokenizer31.decode(cut)
+    assert chunks[-1].stop_reason == "end_of_message"
+
+    as_llama3 = llama3.chat_completion([dialog], temperature=0, max_gen_len=8)[0]
+    assert as_llama3["stop_reason"] == "length"  # Llama 3 keeps the reference's stop tokens exactly
+    assert "<|reserved_special_token_4|>" in as_llama3["generation"]["content"]
