@@ -158,3 +158,33 @@ def test_ctrl_c_in_a_real_terminal(tiny_checkpoint, tokenizer_path):
         except ProcessLookupError:
             pass
         os.close(fd)
+
+
+def test_interactive_chat_under_torchrun_with_model_parallelism(tmp_path, tokenizer_path):
+    """Rank 0 reads stdin and broadcasts; both ranks generate in step: the answers equal one process's."""
+    from conftest import make_checkpoint
+
+    one, two = make_checkpoint(tmp_path / "mp1", seed=4), make_checkpoint(tmp_path / "mp2", n_shards=2, seed=4)
+    script = "Hello there\n/reset\nWhat now?\n/exit\n"
+    options = ("--max_gen_len", "6", "--temperature", "0")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    alone = subprocess.run(
+        chat_command(one, tokenizer_path, *options), input=script, capture_output=True, text=True, timeout=180, env=env
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    together = subprocess.run(
+        torchrun + chat_command(two, tokenizer_path, *options)[1:],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert alone.returncode == 0 and together.returncode == 0, together.stderr[-2000:]
+
+    def answers(out):
+        return re.findall(r"Assistant: (.*)\n\[6 tokens", out)
+
+    assert len(answers(alone.stdout)) == 2
+    assert answers(together.stdout) == answers(alone.stdout)
+    assert together.stdout.count("[history cleared]") == 1  # printed by rank 0 only
