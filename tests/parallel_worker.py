@@ -49,6 +49,7 @@ def main() -> None:
         max_seq_len=64,
         max_batch_size=len(PROMPTS),
         device="cpu",
+        dtype="float32",  # what Meta folders get on CPU anyway; Hugging Face folders would keep bf16
         timeout=timedelta(seconds=args.timeout),
     )
     if failing and args.fail:

@@ -258,6 +258,19 @@ def test_resharding(name, n_shards, nproc, checkpoint, reference, two_processes,
     assert_only_rank0_printed(run)
 
 
+def test_hugging_face_folder_is_sliced_per_rank(checkpoint, reference, tokenizer_path, tmp_path):
+    from llama.convert import meta_to_hf
+
+    meta_to_hf(checkpoint("gqa", 1), tmp_path / "hf")
+    run = launch(single_node(2), tmp_path / "hf", tokenizer_path, tmp_path / "out")
+    assert run.returncodes == [0], run.stderrs[0]
+    ranks = run.results(2)
+    for rank in ranks:  # the same slice as the native 2-shard Meta layout, bit for bit
+        assert rank["weights"] == expected_digests("gqa", 2)[rank["rank"]], f"rank {rank['rank']}"
+    assert ranks[0]["greedy"] == reference("gqa")["greedy"]
+    assert_only_rank0_printed(run)
+
+
 def test_two_nodes(checkpoint, reference, tokenizer_path, tmp_path):
     run = launch(two_nodes(), checkpoint("gqa", 2), tokenizer_path, tmp_path / "out")
     assert run.returncodes == [0, 0], run.stderrs
