@@ -46,10 +46,11 @@ def model_parallel_sizes_that_work(params: ModelArgs, upto: int = 64) -> List[in
     return [m for m in range(1, upto + 1) if all(s % m == 0 for s in sizes)]
 
 
-def check_model_parallel_size(params: ModelArgs, model_parallel_size: int) -> None:
+def check_model_parallel_size(params: ModelArgs, model_parallel_size: int, n_shards: Optional[int] = None) -> None:
     if model_parallel_size not in model_parallel_sizes_that_work(params, upto=max(model_parallel_size, 64)):
+        on_disk = f" (its checkpoint has {n_shards} shard{'s' if n_shards != 1 else ''})" if n_shards else ""
         raise ValueError(
-            f"This model cannot be split over {model_parallel_size} model-parallel processes "
+            f"This model{on_disk} cannot be split over {model_parallel_size} model-parallel processes "
             f"(n_heads={params.n_heads}, n_kv_heads={params.n_kv_heads or params.n_heads}, "
             f"vocab_size={params.vocab_size}). Sizes that work: {model_parallel_sizes_that_work(params)}. "
             "Change --nproc_per_node (or model_parallel_size) to one of them."
@@ -404,7 +405,7 @@ def load_model(
     dtype: torch.dtype,
 ) -> Transformer:
     """Build the Transformer with this rank's weights, without a throwaway random initialisation."""
-    check_model_parallel_size(model_args, mp_size)
+    check_model_parallel_size(model_args, mp_size, len(reader.files) if isinstance(reader, MetaCheckpoint) else None)
     with parameters_on_meta():
         model = Transformer(model_args)
     expected_shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
