@@ -74,6 +74,14 @@ class CheckpointReader:
         """The tensor `key`, or its slice [start, start + length) along `dim` (in `dtype` if pieces are joined)."""
         raise NotImplementedError
 
+    def read_shard(self, key: str, rank: int, size: int, dtype=None) -> torch.Tensor:
+        """Rank `rank`'s part of `key` when the model is split over `size` model-parallel ranks (size 1: all)."""
+        dim = split_dim(key)
+        if dim is None:
+            return self.read(key)
+        length = self.shapes[key][dim] // size
+        return self.read(key, dim, rank * length, length, dtype)
+
 
 class MetaCheckpoint(CheckpointReader):
     """Meta's layout: params.json plus consolidated.NN.pth, one shard per model-parallel rank."""
@@ -351,10 +359,7 @@ def load_rank_weights(
             )
         if key == "output.weight" and tied:
             continue  # the embedding, loaded under its own name
-        if dim is None:
-            tensor = reader.read(source_key)
-        else:
-            tensor = reader.read(source_key, dim, mp_rank * local_shape[dim], local_shape[dim], dtype)
+        tensor = reader.read_shard(source_key, mp_rank, mp_size, dtype)
         if column_major_head and source_key == ("tok_embeddings.weight" if tied else "output.weight"):
             strides = (1, local_shape[0])
             weights[key] = torch.empty_strided(local_shape, strides, dtype=dtype, device=device).copy_(tensor)
@@ -363,15 +368,6 @@ def load_rank_weights(
     if tied:
         weights["output.weight"] = weights["tok_embeddings.weight"]
     return weights
-
-
-def iter_full_tensors(reader: CheckpointReader) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, whole, one at a time (for conversion)."""
-    for key, shape in reader.shapes.items():
-        if key in IGNORED_KEYS:
-            continue
-        dim = split_dim(key)
-        yield key, reader.read(key) if dim is None else reader.read(key, dim, 0, shape[dim])
 
 
 @contextmanager

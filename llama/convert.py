@@ -24,7 +24,6 @@ from llama.checkpoint import (
     model_args_from,
     open_checkpoint,
     permute_for_rotate_half,
-    split_dim,
 )
 from llama.model import FeedForward
 
@@ -109,13 +108,8 @@ def hf_to_meta(src: Path, out_dir: Path, model_parallel_size: int = 1) -> None:
         (tmp_dir / "params.json").write_text(json.dumps(params, indent=2) + "\n")
         for rank in range(model_parallel_size):
             shard = {}
-            for key, shape in reader.shapes.items():
-                dim = split_dim(key)
-                if dim is None:
-                    shard[key] = reader.read(key)
-                else:
-                    length = shape[dim] // model_parallel_size
-                    shard[key] = reader.read(key, dim, rank * length, length).contiguous()
+            for key in reader.shapes:
+                shard[key] = reader.read_shard(key, rank, model_parallel_size).contiguous()
             torch.save(shard, tmp_dir / f"consolidated.{rank:02d}.pth")
             print(f"[{rank + 1}/{model_parallel_size}] wrote consolidated.{rank:02d}.pth", flush=True)
             del shard
@@ -123,8 +117,7 @@ def hf_to_meta(src: Path, out_dir: Path, model_parallel_size: int = 1) -> None:
 
 
 def read_full(reader, key: str) -> torch.Tensor:
-    dim = split_dim(key)
-    return reader.read(key) if dim is None else reader.read(key, dim, 0, reader.shapes[key][dim])
+    return reader.read_shard(key, 0, 1)
 
 
 def group_by_size(shapes: Dict[str, torch.Size], dtype: torch.dtype, max_bytes: int) -> Iterator[List[str]]:
