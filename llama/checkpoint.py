@@ -64,7 +64,7 @@ class CheckpointReader:
     ckpt_dir: Path
     params: dict  # Meta params.json fields
     dtype: torch.dtype  # dtype the weights are stored in
-    shapes: Dict[str, torch.Size]  # full, unsharded shapes
+    shapes: Dict[str, torch.Size]  # full, unsharded shapes of the model's tensors (IGNORED_KEYS left out)
 
     def source(self, key: str) -> str:
         """Where `key` lives, for error messages."""
@@ -103,6 +103,8 @@ class MetaCheckpoint(CheckpointReader):
                 diff = sorted(shard.keys() ^ first.keys())
                 raise ValueError(f"{path.name} and {self.files[0].name} hold different keys: {diff[:10]}")
         for key, tensor in first.items():
+            if key in IGNORED_KEYS:
+                continue
             dim = split_dim(key)
             shape = list(tensor.shape)
             if dim is not None and dim < len(shape):
@@ -335,7 +337,7 @@ def load_rank_weights(
     Raises:
         ValueError: when keys are missing or unexpected, or a shape does not match the model.
     """
-    available = set(reader.shapes) - IGNORED_KEYS
+    available = set(reader.shapes)
     tied = "output.weight" not in available and "output.weight" in expected_shapes
     missing = sorted(set(expected_shapes) - available - ({"output.weight"} if tied else set()))
     unexpected = sorted(available - set(expected_shapes))

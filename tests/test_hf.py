@@ -178,3 +178,20 @@ def test_interrupted_conversion_leaves_no_finished_looking_folder(folders, tmp_p
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(FileExistsError, match="not empty"):
         convert_main(["to-hf", str(meta), str(meta)])
+
+
+def test_meta_checkpoint_with_rope_freqs_converts(tmp_path, process_group):
+    """`rope.freqs`, a table some Meta checkpoints carry, is not a weight: conversion leaves it out."""
+    from llama.checkpoint import write_meta_checkpoint
+    from llama.demo import random_weights
+
+    params = dict(TINY_PARAMS, vocab_size=512)
+    tensors = dict(random_weights(params, seed=6), **{"rope.freqs": torch.ones(8)})
+    write_meta_checkpoint(tmp_path / "meta", params, tensors)
+    convert_main(["to-hf", str(tmp_path / "meta"), str(tmp_path / "hf")])
+    hf_names = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(hf_names) == len(tensors) - 1 and not any("rope" in name for name in hf_names)
+    tokens = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = hf_model(tmp_path / "hf")(tokens).logits
+    assert (our_model(tmp_path / "meta")(tokens, 0) - expected).abs().max().item() < 1e-4
