@@ -169,10 +169,7 @@ class Llama:
         Raises:
             ValueError: for an empty batch or prompt, a batch or prompt that is too long, or a bad parameter.
         """
-        batch = self._start(prompt_tokens, max_gen_len, temperature, top_p, logprobs)
-        for _ in self._decode(batch, temperature, top_p):
-            pass
-        out_tokens, out_logprobs, _ = self._finish(batch, max_gen_len, echo)
+        out_tokens, out_logprobs, _ = self._run(prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo)
         return out_tokens, out_logprobs if logprobs else None
 
     def text_completion(
@@ -200,12 +197,9 @@ class Llama:
         Raises:
             ValueError: for an empty list, an empty prompt, too many or too long prompts, or a bad parameter.
         """
-        if max_gen_len is None:
-            max_gen_len = self.model.params.max_seq_len - 1
-        prompt_tokens = self._encode_prompts(prompts)
         generation_tokens, generation_logprobs = self.generate(
-            prompt_tokens=prompt_tokens,
-            max_gen_len=max_gen_len,
+            prompt_tokens=self._encode_prompts(prompts),
+            max_gen_len=self._gen_len(max_gen_len),
             temperature=temperature,
             top_p=top_p,
             logprobs=logprobs,
@@ -248,13 +242,9 @@ class Llama:
             ValueError: for an empty list or dialog, an unknown role, too many or too long dialogs, or a bad
                 parameter.
         """
-        if max_gen_len is None:
-            max_gen_len = self.model.params.max_seq_len - 1
-        prompt_tokens = self._encode_dialogs(dialogs)
-        batch = self._start(prompt_tokens, max_gen_len, temperature, top_p, logprobs)
-        for _ in self._decode(batch, temperature, top_p):
-            pass
-        generation_tokens, generation_logprobs, stop_reasons = self._finish(batch, max_gen_len, echo=False)
+        generation_tokens, generation_logprobs, stop_reasons = self._run(
+            self._encode_dialogs(dialogs), self._gen_len(max_gen_len), temperature, top_p, logprobs, echo=False
+        )
         results: List[ChatPrediction] = []
         for t, logprobs_i, reason in zip(generation_tokens, generation_logprobs, stop_reasons):
             result: ChatPrediction = {"generation": {"role": "assistant", "content": self.tokenizer.decode(t)}}
@@ -282,9 +272,7 @@ class Llama:
         Raises:
             ValueError: as `text_completion`.
         """
-        if max_gen_len is None:
-            max_gen_len = self.model.params.max_seq_len - 1
-        yield from self._stream(self._encode_prompts(prompts), max_gen_len, temperature, top_p)
+        yield from self._stream(self._encode_prompts(prompts), self._gen_len(max_gen_len), temperature, top_p)
 
     @torch.inference_mode()
     def chat_completion_stream(
@@ -301,9 +289,18 @@ class Llama:
         Raises:
             ValueError: as `chat_completion`.
         """
-        if max_gen_len is None:
-            max_gen_len = self.model.params.max_seq_len - 1
-        yield from self._stream(self._encode_dialogs(dialogs), max_gen_len, temperature, top_p)
+        yield from self._stream(self._encode_dialogs(dialogs), self._gen_len(max_gen_len), temperature, top_p)
+
+    def _gen_len(self, max_gen_len: Optional[int]) -> int:
+        """max_gen_len, where None means as many tokens as the context allows (max_seq_len - 1)."""
+        return self.model.params.max_seq_len - 1 if max_gen_len is None else max_gen_len
+
+    def _run(self, prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo):
+        """Decode the whole batch; the cut outputs, their logprobs and why each stopped (see `_finish`)."""
+        batch = self._start(prompt_tokens, max_gen_len, temperature, top_p, logprobs)
+        for _ in self._decode(batch, temperature, top_p):
+            pass
+        return self._finish(batch, max_gen_len, echo)
 
     def _encode_prompts(self, prompts: List[str]) -> List[List[int]]:
         if isinstance(prompts, str):
