@@ -347,22 +347,22 @@ def load_rank_weights(
             f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}, "
             f"unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
         )
+    head_key = "tok_embeddings.weight" if tied else "output.weight"  # the tensor the output head reads
     weights = {}
     for key, local_shape in expected_shapes.items():
-        source_key = "tok_embeddings.weight" if key == "output.weight" and tied else key
+        if key == "output.weight" and tied:
+            continue  # the embedding, loaded under its own name
         dim = split_dim(key)
         full_shape = list(local_shape)
         if dim is not None:
             full_shape[dim] *= mp_size
-        if list(reader.shapes[source_key]) != full_shape:
+        if list(reader.shapes[key]) != full_shape:
             raise ValueError(
-                f"{source_key} in {reader.source(source_key)} has shape {tuple(reader.shapes[source_key])}, "
+                f"{key} in {reader.source(key)} has shape {tuple(reader.shapes[key])}, "
                 f"but the model built from the checkpoint's config expects {tuple(full_shape)}"
             )
-        if key == "output.weight" and tied:
-            continue  # the embedding, loaded under its own name
-        tensor = reader.read_shard(source_key, mp_rank, mp_size, dtype)
-        if column_major_head and source_key == ("tok_embeddings.weight" if tied else "output.weight"):
+        tensor = reader.read_shard(key, mp_rank, mp_size, dtype)
+        if column_major_head and key == head_key:
             strides = (1, local_shape[0])
             weights[key] = torch.empty_strided(local_shape, strides, dtype=dtype, device=device).copy_(tensor)
         else:
