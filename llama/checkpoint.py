@@ -24,6 +24,9 @@ SPLIT_ON_DIM_0 = {"tok_embeddings", "output", "wq", "wk", "wv", "w1", "w3"}
 SPLIT_ON_DIM_1 = {"wo", "w2"}
 IGNORED_KEYS = {"rope.freqs"}  # a precomputed RoPE table some Meta checkpoints carry; we compute our own
 
+# Hugging Face's rope_scaling fields for the Llama 3.1 rule, fixed by model.apply_scaling (only "factor" varies).
+LLAMA3_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
 HF_CONFIG = "config.json"
 META_PARAMS = "params.json"
 
@@ -218,8 +221,7 @@ def hf_config_to_params(config: dict, path: Path) -> dict:
         "rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0)),
     }
     if rope_type == "llama3":
-        expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-        for name, value in expected.items():
+        for name, value in LLAMA3_ROPE_SCALING.items():
             if rope.get(name, value) != value:
                 raise ValueError(f"{path}: rope {name}={rope[name]} is not supported (Llama 3.1 uses {value})")
         params["use_scaled_rope"] = True

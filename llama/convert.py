@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from llama.checkpoint import (
+    LLAMA3_ROPE_SCALING,
     atomic_output_dir,
     check_model_parallel_size,
     meta_to_hf_name,
@@ -59,9 +60,7 @@ def hf_config(params: dict, dtype: torch.dtype) -> dict:
         config["rope_scaling"] = {
             "rope_type": "llama3",
             "factor": args.rope_scaling_factor or 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
+            **LLAMA3_ROPE_SCALING,
         }
     return config
 
