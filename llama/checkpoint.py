@@ -16,6 +16,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from llama.cpu import speed_up_for_cpu
 from llama.model import FeedForward, ModelArgs, Transformer
 
 # fairscale's layout: column-parallel layers (and the vocab-parallel embedding) split their weight along
@@ -329,12 +330,8 @@ def load_rank_weights(
     mp_size: int,
     dtype: torch.dtype,
     device: torch.device,
-    column_major_head: bool = False,
 ) -> Dict[str, torch.Tensor]:
     """This rank's weights, keyed like `expected_shapes` (the model's own state dict), on `device` in `dtype`.
-
-    With `column_major_head`, the output head (the embedding too, when they are tied) is stored column-major:
-    same values and shape, another memory layout.
 
     Raises:
         ValueError: when keys are missing or unexpected, or a shape does not match the model.
@@ -349,7 +346,6 @@ def load_rank_weights(
             f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}, "
             f"unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
         )
-    head_key = "tok_embeddings.weight" if tied else "output.weight"  # the tensor the output head reads
     weights = {}
     for key, local_shape in expected_shapes.items():
         if key == "output.weight" and tied:
@@ -364,11 +360,7 @@ def load_rank_weights(
                 f"but the model built from the checkpoint's config expects {tuple(full_shape)}"
             )
         tensor = reader.read_shard(key, mp_rank, mp_size, dtype)
-        if column_major_head and key == head_key:
-            strides = (1, local_shape[0])
-            weights[key] = torch.empty_strided(local_shape, strides, dtype=dtype, device=device).copy_(tensor)
-        else:
-            weights[key] = tensor.to(device=device, dtype=dtype).contiguous()
+        weights[key] = tensor.to(device=device, dtype=dtype).contiguous()
     if tied:
         weights["output.weight"] = weights["tok_embeddings.weight"]
     return weights
@@ -409,11 +401,9 @@ def load_model(
     with parameters_on_meta():
         model = Transformer(model_args)
     expected_shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
-    # Decoding multiplies one row by the vocab-sized output head; on CPU in float32, MKL does that about 3x
-    # faster when the head is stored column-major.
-    column_major_head = device.type == "cpu" and dtype == torch.float32
-    weights = load_rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device, column_major_head)
+    weights = load_rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device)
     model.load_state_dict(weights, strict=True, assign=True)
+    speed_up_for_cpu(model, device, dtype)
     model.init_kv_caches(device, dtype)
     return model.eval()
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import llama.checkpoint
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
+from llama.cpu import PackedLinear
 from llama.demo import random_weights
 from llama.model import (
     Attention,
@@ -461,33 +463,32 @@ def test_model_args_defaults_are_llama3_8b_shaped():
     assert (args.rope_theta, args.max_batch_size, args.max_seq_len) == (500000, 32, 2048)
 
 
-# 7. Speed-ups keep the reference math --------------------------------------------------------------------------
+# 7. CPU speed-ups keep the reference math ----------------------------------------------------------------------
+
+
+def load_tiny(tmp_path, weights, dtype):
+    write_meta_checkpoint(tmp_path / "ckpt", GQA_PARAMS, weights)
+    reader = open_checkpoint(tmp_path / "ckpt")
+    args = model_args_from(reader.params, max_seq_len=32, max_batch_size=2)[0]
+    return load_model(reader, args, 0, 1, torch.device("cpu"), dtype)
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_column_major_output_head_gives_the_reference_logits(process_group, tmp_path, tie):
-    """On CPU in float32 the loader stores the output head column-major (a faster matrix-vector product)."""
-    params = dict(GQA_PARAMS, vocab_size=4096)
+def test_packed_linear_layers_give_the_reference_logits(process_group, tmp_path, tie):
+    """On CPU the loader packs every linear layer for oneDNN; float32 logits stay those of plain F.linear."""
+    params = GQA_PARAMS
     weights = random_weights(params, seed=11)
     if tie:
         del weights["output.weight"]
-    write_meta_checkpoint(tmp_path / "ckpt", params, weights)
-    args = ModelArgs(**params, max_seq_len=32, max_batch_size=2)
-    reader = open_checkpoint(tmp_path / "ckpt")
-    loaded = load_model(
-        reader,
-        model_args_from(reader.params, max_seq_len=32, max_batch_size=2)[0],
-        0,
-        1,
-        torch.device("cpu"),
-        torch.float32,
-    )
-    assert loaded.output.weight.stride() == (1, params["vocab_size"])  # the layout really changed
+    loaded = load_tiny(tmp_path, weights, torch.float32)
+    packed = [m for m in loaded.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 7 * params["n_layers"] + 1 and all(m.weight.is_mkldnn for m in packed)
     if tie:
-        assert loaded.output.weight.data_ptr() == loaded.tok_embeddings.weight.data_ptr()
         weights["output.weight"] = weights["tok_embeddings.weight"]
-    reference = our_model({k: v.float() for k, v in weights.items()}, args)  # row-major, as in the reference
-    assert reference.output.weight.is_contiguous()
+    weights = {k: v.float() for k, v in weights.items()}
+    assert {k: v.shape for k, v in loaded.state_dict().items()} == {k: v.shape for k, v in weights.items()}
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weights.items())  # the ordinary layout
+    reference = our_model(weights, ModelArgs(**params, max_seq_len=32, max_batch_size=2))
 
     tokens = torch.randint(0, params["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
     expected = reference(tokens, 0)
@@ -495,3 +496,28 @@ def test_column_major_output_head_gives_the_reference_logits(process_group, tmp_
     steps = incremental_logits(loaded, tokens, [8, 1, 1, 1, 1])
     assert (steps - expected).abs().max() < ATOL
     assert torch.equal(steps.argmax(-1), expected.argmax(-1))
+
+
+def greedy_tokens(model: Transformer, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    tokens = prompt
+    logits = model(tokens, 0)[:, -1]
+    for _ in range(steps):
+        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+        logits = model(tokens[:, -1:], tokens.shape[1] - 1)[:, -1]
+    return tokens[:, prompt.shape[1] :]
+
+
+def test_bfloat16_cpu_speed_ups_keep_greedy_tokens_and_torch_settings(process_group, tmp_path, monkeypatch):
+    weights = random_weights(GQA_PARAMS, seed=12)
+    fast = load_tiny(tmp_path / "fast", weights, torch.bfloat16)
+    monkeypatch.setattr(llama.checkpoint, "speed_up_for_cpu", lambda *args: None)
+    plain = load_tiny(tmp_path / "plain", weights, torch.bfloat16)
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+
+    prompt = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(3))
+    onednn_enabled = torch.backends.mkldnn.enabled
+    assert torch.equal(greedy_tokens(fast, prompt, 20), greedy_tokens(plain, prompt, 20))
+    # Decode attention switches oneDNN off for its matmuls only: the global switch is as the user left it.
+    assert torch.backends.mkldnn.enabled == onednn_enabled
+
+
