@@ -139,10 +139,10 @@ def peak_memory_mb(device: str) -> float:
 def decode_step_bytes(model) -> int:
     """Bytes one batch-1 decode step reads: every weight once, except the embedding table (one row is read),
     unless it doubles as the output head."""
-    weights = {}  # data pointer -> bytes: a tied head and the embedding are one tensor
+    weights = {}  # a tied head and the embedding are one parameter, unless the head is packed (llama/cpu.py)
     for name, p in model.named_parameters(remove_duplicate=False):
         if name != "tok_embeddings.weight":
-            weights[p.data_ptr()] = p.numel() * p.element_size()
+            weights[id(p)] = p.numel() * p.element_size()
     return sum(weights.values())
 
 

@@ -7,6 +7,7 @@ argmax, softmax or log-softmax. Agreement shows that padding, the start at the s
 "keep prompt tokens" rule, the KV cache, stop tokens and the output cuts all behave as SPEC.md describes.
 """
 
+import copy
 import functools
 import math
 from typing import List, Tuple
@@ -15,7 +16,6 @@ import pytest
 import torch
 
 from llama import Llama
-from llama.cpu import unpack_linear_layers
 from llama.generation import sample_top_p
 
 BOS, EOS, START_HEADER, END_HEADER, EOT = 128000, 128001, 128006, 128007, 128009
@@ -119,15 +119,8 @@ def encode(tokenizer, text: str) -> List[int]:
 # A model that really produces stop tokens ------------------------------------------------------------------
 
 
-def editable_model(tiny_checkpoint, tokenizer_path):
-    """A fresh copy of the tiny Llama's model whose weights can be edited in place."""
-    model = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=64, max_batch_size=4, device="cpu").model
-    unpack_linear_layers(model)  # packed for oneDNN on CPU otherwise
-    return model
-
-
 @pytest.fixture(scope="module")
-def stopping_llama(tiny_llama, tiny_checkpoint, tokenizer_path):
+def stopping_llama(tiny_llama):
     """A copy of the tiny Llama whose output head makes greedy decoding say <|eot_id|> within 4 tokens of the
     chat prompt of DIALOG, and <|end_of_text|> within 6 tokens of TEXTS[1].
 
@@ -137,7 +130,7 @@ def stopping_llama(tiny_llama, tiny_checkpoint, tokenizer_path):
     """
     tokenizer = tiny_llama.tokenizer
     chat_ids = chat_prompt(tokenizer, DIALOG)
-    model = editable_model(tiny_checkpoint, tokenizer_path)
+    model = copy.deepcopy(tiny_llama.model)
     for prompt, step, stop in ((chat_ids, 3, EOT), (encode(tokenizer, TEXTS[1]), 5, EOS)):
         logits = full_logits(tiny_llama.model, prompt + greedy_alone(tiny_llama.model, prompt, step))[-1]
         x = int(logits.argmax())
@@ -461,14 +454,14 @@ def test_chat_completion_ends_at_end_of_turn(stopping_llama):
 EOM = 128008  # <|eom_id|> in Llama 3.1; <|reserved_special_token_4|> in Llama 3
 
 
-def test_eom_stops_llama31_chat_and_is_reported(tiny_llama, tiny_checkpoint, tokenizer_path):
+def test_eom_stops_llama31_chat_and_is_reported(tiny_llama, tokenizer_path):
     """With Llama 3.1 names, <|eom_id|> ends the answer as "end_of_message"; for Llama 3 it is ordinary."""
     from llama.tokenizer import Tokenizer
 
     tokenizer31 = Tokenizer(tokenizer_path, version="3.1")
     dialog = [{"role": "user", "content": "Call the weather tool."}]
     chat_ids = chat_prompt(tiny_llama.tokenizer, dialog)
-    model = editable_model(tiny_checkpoint, tokenizer_path)
+    model = copy.deepcopy(tiny_llama.model)
     logits = full_logits(tiny_llama.model, chat_ids + greedy_alone(tiny_llama.model, chat_ids, 2))[-1]
     x = int(logits.argmax())
     assert logits[x] > 0, "the trick needs the winner's logit to be positive"

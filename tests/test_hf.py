@@ -106,8 +106,7 @@ def test_tied_embeddings_use_the_embedding_as_output_head(tmp_path, process_grou
         expected = hf_model(tmp_path / "hf")(tokens).logits
     for folder in (meta, tmp_path / "hf"):
         model = our_model(folder)
-        state = model.state_dict()
-        assert torch.equal(state["output.weight"], state["tok_embeddings.weight"])
+        assert torch.equal(model.output.weight, model.tok_embeddings.weight)
         assert (model(tokens, 0) - expected).abs().max().item() < 1e-4
 
 

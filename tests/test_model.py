@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import llama.checkpoint
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
-from llama.cpu import PackedLinear
+from llama.cpu import OneDNNLinear, unpack_linear_layers
 from llama.demo import random_weights
 from llama.model import (
     Attention,
@@ -474,16 +474,17 @@ def load_tiny(tmp_path, weights, dtype):
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_packed_linear_layers_give_the_reference_logits(process_group, tmp_path, tie):
-    """On CPU the loader packs every linear layer for oneDNN; float32 logits stay those of plain F.linear."""
+def test_onednn_linear_layers_give_the_reference_logits(process_group, tmp_path, tie):
+    """On CPU the loader runs every linear layer on oneDNN; float32 logits stay those of plain F.linear."""
     params = GQA_PARAMS
     weights = random_weights(params, seed=11)
     if tie:
         del weights["output.weight"]
     loaded = load_tiny(tmp_path, weights, torch.float32)
-    packed = [m for m in loaded.modules() if isinstance(m, PackedLinear)]
-    assert len(packed) == 7 * params["n_layers"] + 1 and all(m.weight.is_mkldnn for m in packed)
+    layers = [m for m in loaded.modules() if isinstance(m, OneDNNLinear)]
+    assert len(layers) == 7 * params["n_layers"] + 1 and not any(m.packed for m in layers)
     if tie:
+        assert loaded.output.weight.data_ptr() == loaded.tok_embeddings.weight.data_ptr()  # one table, not two
         weights["output.weight"] = weights["tok_embeddings.weight"]
     weights = {k: v.float() for k, v in weights.items()}
     assert {k: v.shape for k, v in loaded.state_dict().items()} == {k: v.shape for k, v in weights.items()}
@@ -510,14 +511,23 @@ def greedy_tokens(model: Transformer, prompt: torch.Tensor, steps: int) -> torch
 def test_bfloat16_cpu_speed_ups_keep_greedy_tokens_and_torch_settings(process_group, tmp_path, monkeypatch):
     weights = random_weights(GQA_PARAMS, seed=12)
     fast = load_tiny(tmp_path / "fast", weights, torch.bfloat16)
+    layers = [m for m in fast.modules() if isinstance(m, OneDNNLinear)]
+    assert len(layers) == 7 * GQA_PARAMS["n_layers"] + 1 and all(m.packed and m.weight.is_mkldnn for m in layers)
     monkeypatch.setattr(llama.checkpoint, "speed_up_for_cpu", lambda *args: None)
     plain = load_tiny(tmp_path / "plain", weights, torch.bfloat16)
-    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    assert not any(isinstance(m, OneDNNLinear) for m in plain.modules())
 
     prompt = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(3))
     onednn_enabled = torch.backends.mkldnn.enabled
     assert torch.equal(greedy_tokens(fast, prompt, 20), greedy_tokens(plain, prompt, 20))
     # Decode attention switches oneDNN off for its matmuls only: the global switch is as the user left it.
     assert torch.backends.mkldnn.enabled == onednn_enabled
+
+    # Packed weights read back in the ordinary layout, and unpacking gives editable fairscale layers.
+    expected = plain.state_dict()
+    assert all(torch.equal(fast.state_dict()[k], v) for k, v in expected.items())
+    unpack_linear_layers(fast)
+    assert type(fast.layers[0].attention.wq) is type(plain.layers[0].attention.wq)
+    assert all(torch.equal(v, expected[k]) for k, v in fast.state_dict().items())
 
 
