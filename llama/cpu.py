@@ -36,11 +36,12 @@ class OneDNNLinear(nn.Module):
         if layer.bias is not None or not getattr(layer, "input_is_parallel", True):
             raise ValueError("OneDNNLinear takes Llama's layers only: no bias, row-parallel input already split")
         self.packed = layer.weight.dtype == torch.bfloat16
-        if self.packed:
-            self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach()))
-            self._register_state_dict_hook(_dense_weight)
+        if self.packed and not layer.weight.is_mkldnn:  # the loader packs as it reads, see linear_weight_keys
+            self.weight = nn.Parameter(pack(layer.weight.detach()))
         else:
-            self.weight = layer.weight  # the same tensor: a tied output head stays tied to the embedding
+            self.weight = layer.weight  # float32: the same tensor, so a tied head stays tied to the embedding
+        if self.packed:
+            self._register_state_dict_hook(_dense_weight)
         layer.weight = None
         self.plain = layer  # keeps the layer's settings, and gives it back in unpack()
 
@@ -58,6 +59,20 @@ class OneDNNLinear(nn.Module):
         """The fairscale layer, with this weight in the ordinary layout."""
         self.plain.weight = nn.Parameter(self.weight.to_dense()) if self.packed else self.weight
         return self.plain
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` reordered into oneDNN's blocked layout for `OneDNNLinear`: a new, opaque tensor."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def linear_weight_keys(model: nn.Module, device: torch.device, dtype: torch.dtype) -> set:
+    """The state-dict keys of the weights `speed_up_for_cpu` will pack: the loader packs them as it reads them,
+    so that a rank never holds more than one unpacked copy at a time."""
+    if not (onednn_supported(device, dtype) and dtype == torch.bfloat16):
+        return set()
+    kinds = (ColumnParallelLinear, RowParallelLinear)
+    return {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, kinds)}
 
 
 def _dense_weight(module, state_dict, prefix, local_metadata):
