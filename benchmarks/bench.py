@@ -8,9 +8,9 @@ For each shape it writes a random checkpoint in Meta's layout (bf16, as Meta shi
 Hugging Face folder with `llama.convert`, and measures both libraries on the same weights, dtype, device and
 thread count, each in a fresh process (so peak memory is that library's alone):
 - load: `Llama.build` / `LlamaForCausalLM.from_pretrained` (eager attention), next to the time to read the
-  checkpoint's bytes;
-- prefill tokens/s for one prompt; for llama also the reference algorithm (logits for every position, computed
-  with `F.linear` as in the reference rather than the oneDNN layers of llama/cpu.py);
+  checkpoint's bytes, and the first prefill after it (which also pages in weights that were mapped at load);
+- prefill tokens/s for one prompt; for llama also the reference algorithm: Meta's code on the same weights,
+  with logits for every position, `F.linear` for the linear layers and attention computed step by step;
 - decode tokens/s at batch 1 and 8 (greedy, no stop tokens, prefill time subtracted);
 - peak memory (max RSS on CPU, max allocated on CUDA).
 The decode roofline is the measured memory bandwidth (a large read) divided by the bytes one decode step
@@ -142,14 +142,42 @@ def peak_memory_mb(device: str) -> float:
 def decode_step_bytes(model) -> int:
     """Bytes one batch-1 decode step reads: every weight once, except the embedding table (one row is read),
     unless it doubles as the output head."""
-    weights = {}  # a tied head and the embedding are one parameter, unless the head is packed (llama/cpu.py)
+    weights = {}  # a tied head and the embedding are one parameter
     for name, p in model.named_parameters(remove_duplicate=False):
         if name != "tok_embeddings.weight":
             weights[id(p)] = p.numel() * p.element_size()
     return sum(weights.values())
 
 
+def reference_attention_forward(self, x, start_pos, freqs_cis, mask):
+    """`llama.model.Attention.forward` as Meta's reference writes it: kv heads repeated, scores stored whole."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    from llama.model import apply_rotary_emb
+
+    bsz, seqlen, _ = x.shape
+    xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
+    xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+    xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+    xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
+    self.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
+    self.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
+    keys = self.cache_k[:bsz, : start_pos + seqlen].repeat_interleave(self.n_rep, dim=2).transpose(1, 2)
+    values = self.cache_v[:bsz, : start_pos + seqlen].repeat_interleave(self.n_rep, dim=2).transpose(1, 2)
+    scores = torch.matmul(xq.transpose(1, 2), keys.transpose(2, 3)) / math.sqrt(self.head_dim)
+    if mask is not None:
+        scores = scores + mask
+    scores = F.softmax(scores.float(), dim=-1).type_as(xq)
+    output = torch.matmul(scores, values).transpose(1, 2).contiguous().view(bsz, seqlen, -1)
+    return self.wo(output)
+
+
 def worker_llama(args) -> dict:
+    import types
+
     import torch
 
     from llama import Llama
@@ -166,6 +194,8 @@ def worker_llama(args) -> dict:
     model, steps = generator.model, args.decode_steps
     result["step_bytes"] = decode_step_bytes(model)
     prompt = torch.randint(0, 128000, (1, args.prefill_len), device=generator.device)
+    # The first forward also pages in weights that were mapped, not read, at load.
+    result["first_prefill_s"] = timed(lambda: model.forward(prompt, 0, last_logits_only=True), args.device, 1)
     last = timed(lambda: model.forward(prompt, 0, last_logits_only=True), args.device)
     result["prefill_tok_s"] = args.prefill_len / last
     for bsz in (1, 8):
@@ -175,8 +205,10 @@ def worker_llama(args) -> dict:
         result[f"decode_b{bsz}_tok_s"] = bsz * steps / (total - first)
     result["peak_mb"] = peak_memory_mb(args.device)
     result["bandwidth"] = memory_bandwidth(args.device, args.threads)
-    # The reference algorithm: logits for every prompt position, and its kernels (F.linear, see llama/cpu.py).
+    # The reference algorithm: logits for every prompt position, and the reference's kernels and attention.
     unpack_linear_layers(model)
+    for layer in model.layers:
+        layer.attention.forward = types.MethodType(reference_attention_forward, layer.attention)
     full = timed(lambda: model.forward(prompt, 0), args.device)
     result["prefill_reference_tok_s"] = args.prefill_len / full
     return result
@@ -198,6 +230,7 @@ def worker_transformers(args) -> dict:
     prompt = torch.randint(0, 128000, (1, args.prefill_len), device=args.device)
     with torch.inference_mode():
         # As in its generate(): logits for the last position only.
+        result["first_prefill_s"] = timed(lambda: model(prompt, logits_to_keep=1, use_cache=True), args.device, 1)
         last = timed(lambda: model(prompt, logits_to_keep=1, use_cache=True), args.device)
         result["prefill_tok_s"] = args.prefill_len / last
         for bsz in (1, 8):
@@ -285,6 +318,7 @@ def print_table(rows) -> None:
 
         line("load s", ours["load_s"], theirs["load_s"], "{:.2f}")
         line("read ckpt bytes s", row["read_s"]["llama"], row["read_s"]["transformers"], "{:.2f}")
+        line("first prefill s", ours["first_prefill_s"], theirs["first_prefill_s"], "{:.2f}")
         line("prefill tok/s", ours["prefill_tok_s"], theirs["prefill_tok_s"])
         line("prefill reference tok/s", ours["prefill_reference_tok_s"], None, ratio=False)
         line("decode b1 tok/s", ours["decode_b1_tok_s"], theirs["decode_b1_tok_s"])

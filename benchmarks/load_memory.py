@@ -102,10 +102,8 @@ def worker(ckpt_dir: str, tokenizer_path: str, out_dir: str, dtype: str) -> None
     ranges = mapped_ranges()
     params = list(generator.model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
-    mapped_bytes = sum(  # weights packed for oneDNN (bf16 on CPU, llama/cpu.py) are always a copy
-        p.numel() * p.element_size()
-        for p in params
-        if not p.is_mkldnn and any(lo <= p.data_ptr() < hi for lo, hi in ranges)
+    mapped_bytes = sum(
+        p.numel() * p.element_size() for p in params if any(lo <= p.data_ptr() < hi for lo, hi in ranges)
     )
     buffer_bytes = sum(b.numel() * b.element_size() for b in generator.model.buffers())
     anon = proc_status()["RssAnon"]

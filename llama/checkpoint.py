@@ -11,12 +11,12 @@ import shutil
 from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-from llama.cpu import linear_weight_keys, pack, speed_up_for_cpu
+from llama.cpu import speed_up_for_cpu
 from llama.model import FeedForward, ModelArgs, Transformer
 
 # fairscale's layout: column-parallel layers (and the vocab-parallel embedding) split their weight along
@@ -330,11 +330,8 @@ def load_rank_weights(
     mp_size: int,
     dtype: torch.dtype,
     device: torch.device,
-    pack_keys: Set[str] = frozenset(),
 ) -> Dict[str, torch.Tensor]:
     """This rank's weights, keyed like `expected_shapes` (the model's own state dict), on `device` in `dtype`.
-
-    The weights under `pack_keys` come packed for oneDNN (see llama/cpu.py).
 
     Raises:
         ValueError: when keys are missing or unexpected, or a shape does not match the model.
@@ -362,8 +359,8 @@ def load_rank_weights(
                 f"{key} in {reader.source(key)} has shape {tuple(reader.shapes[key])}, "
                 f"but the model built from the checkpoint's config expects {tuple(full_shape)}"
             )
-        tensor = reader.read_shard(key, mp_rank, mp_size, dtype).to(device=device, dtype=dtype).contiguous()
-        weights[key] = pack(tensor) if key in pack_keys else tensor
+        tensor = reader.read_shard(key, mp_rank, mp_size, dtype)
+        weights[key] = tensor.to(device=device, dtype=dtype).contiguous()
     if tied:
         weights["output.weight"] = weights["tok_embeddings.weight"]
     return weights
@@ -404,8 +401,7 @@ def load_model(
     with parameters_on_meta():
         model = Transformer(model_args)
     expected_shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
-    pack_keys = linear_weight_keys(model, device, dtype)
-    weights = load_rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device, pack_keys)
+    weights = load_rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device)
     model.load_state_dict(weights, strict=True, assign=True)
     speed_up_for_cpu(model, device, dtype)
     model.init_kv_caches(device, dtype)

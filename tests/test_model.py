@@ -7,14 +7,14 @@ weight conversion is written here too, so that a mistake in llama/checkpoint.py 
 """
 
 import math
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import llama.cpu
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
-from llama.cpu import OneDNNLinear, unpack_linear_layers
+from llama.cpu import CPULinear, unpack_linear_layers
 from llama.demo import random_weights
 from llama.model import (
     Attention,
@@ -106,6 +106,44 @@ def causal_mask(seqlen: int, start_pos: int) -> torch.Tensor:
     rows = torch.arange(seqlen)[:, None] + start_pos
     cols = torch.arange(start_pos + seqlen)[None, :]
     return torch.zeros(seqlen, start_pos + seqlen).masked_fill(cols > rows, float("-inf"))
+
+
+def reference_attention(xq, keys, values, mask, n_rep: int) -> torch.Tensor:
+    """Meta's attention math, step by step: kv heads repeated, scores, mask, float32 softmax, weighted values.
+
+    xq is (bsz, seqlen, heads, head_dim), keys and values (bsz, kv_len, kv_heads, head_dim); the result is
+    (bsz, seqlen, heads * head_dim).
+    """
+    bsz, seqlen, _, head_dim = xq.shape
+    keys = keys.repeat_interleave(n_rep, dim=2).transpose(1, 2)  # (bsz, heads, kv_len, head_dim)
+    values = values.repeat_interleave(n_rep, dim=2).transpose(1, 2)
+    scores = torch.matmul(xq.transpose(1, 2), keys.transpose(2, 3)) / math.sqrt(head_dim)
+    if mask is not None:
+        scores = scores + mask
+    scores = F.softmax(scores.float(), dim=-1).type_as(xq)
+    return torch.matmul(scores, values).transpose(1, 2).reshape(bsz, seqlen, -1)
+
+
+def reference_attention_forward(self: Attention, x, start_pos, freqs_cis, mask):
+    """`Attention.forward` as Meta wrote it: our projections, RoPE and cache, then `reference_attention`."""
+    bsz, seqlen, _ = x.shape
+    xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
+    xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+    xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+    xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
+    self.cache_k = self.cache_k.to(xq)
+    self.cache_v = self.cache_v.to(xq)
+    self.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
+    self.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
+    keys, values = self.cache_k[:bsz, : start_pos + seqlen], self.cache_v[:bsz, : start_pos + seqlen]
+    return self.wo(reference_attention(xq, keys, values, mask, self.n_rep))
+
+
+def with_reference_attention(model: Transformer) -> Transformer:
+    """`model`, its attention layers switched to `reference_attention_forward`."""
+    for layer in model.layers:
+        layer.attention.forward = types.MethodType(reference_attention_forward, layer.attention)
+    return model
 
 
 def to_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -218,7 +256,7 @@ def test_rope_keeps_input_dtype():
 
 
 @pytest.mark.parametrize("n_heads, n_kv_heads", [(8, 2), (4, None)], ids=["gqa", "mha"])
-def test_attention_matches_sdpa_through_prefill_and_decode(process_group, n_heads, n_kv_heads):
+def test_attention_matches_reference_math_through_prefill_and_decode(process_group, n_heads, n_kv_heads):
     dim, bsz, max_seq_len = 64, 2, 32
     args = ModelArgs(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, max_batch_size=bsz, max_seq_len=max_seq_len)
     head_dim, kv_heads = dim // n_heads, n_kv_heads or n_heads
@@ -244,16 +282,13 @@ def test_attention_matches_sdpa_through_prefill_and_decode(process_group, n_head
             start_pos += size
     ours = torch.cat(outputs, dim=1)
 
-    # Reference: the whole sequence at once through PyTorch's fused attention, with GQA done by SDPA.
+    # Reference: Meta's attention math over the whole sequence at once, with rotate-half RoPE.
     positions = torch.arange(12)
     freqs = rope_frequencies(head_dim, args.rope_theta)
     q = rope_rotate_half((x @ weights["wq.weight"].T).view(bsz, 12, n_heads, head_dim), positions, freqs)
     k = rope_rotate_half((x @ weights["wk.weight"].T).view(bsz, 12, kv_heads, head_dim), positions, freqs)
     v = (x @ weights["wv.weight"].T).view(bsz, 12, kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-    )  # (bsz, n_heads, seqlen, head_dim)
-    expected = out.transpose(1, 2).reshape(bsz, 12, dim) @ weights["wo.weight"].T
+    expected = reference_attention(q, k, v, causal_mask(12, 0), n_heads // kv_heads) @ weights["wo.weight"].T
 
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-5)
 
@@ -463,7 +498,7 @@ def test_model_args_defaults_are_llama3_8b_shaped():
     assert (args.rope_theta, args.max_batch_size, args.max_seq_len) == (500000, 32, 2048)
 
 
-# 7. CPU speed-ups keep the reference math ----------------------------------------------------------------------
+# 7. Speed-ups keep the reference math ----------------------------------------------------------------------
 
 
 def load_tiny(tmp_path, weights, dtype):
@@ -473,30 +508,41 @@ def load_tiny(tmp_path, weights, dtype):
     return load_model(reader, args, 0, 1, torch.device("cpu"), dtype)
 
 
+def reference_model(tmp_path, weights, dtype) -> Transformer:
+    """The same checkpoint as `load_tiny` gives, run as Meta's code runs it: `F.linear`, attention step by step."""
+    model = load_tiny(tmp_path, weights, dtype)
+    unpack_linear_layers(model)
+    return with_reference_attention(model)
+
+
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_onednn_linear_layers_give_the_reference_logits(process_group, tmp_path, tie):
-    """On CPU the loader runs every linear layer on oneDNN; float32 logits stay those of plain F.linear."""
+def test_fast_path_gives_the_reference_logits_in_float32(process_group, tmp_path, tie):
+    """Fused attention and the CPU linear layers keep float32 logits within 1e-4 of Meta's math."""
     params = GQA_PARAMS
     weights = random_weights(params, seed=11)
     if tie:
         del weights["output.weight"]
-    loaded = load_tiny(tmp_path, weights, torch.float32)
-    layers = [m for m in loaded.modules() if isinstance(m, OneDNNLinear)]
-    assert len(layers) == 7 * params["n_layers"] + 1 and not any(m.packed for m in layers)
+    loaded = load_tiny(tmp_path / "fast", weights, torch.float32)
+    layers = [m for m in loaded.modules() if isinstance(m, CPULinear)]
+    assert len(layers) == 7 * params["n_layers"] + 1
     if tie:
         assert loaded.output.weight.data_ptr() == loaded.tok_embeddings.weight.data_ptr()  # one table, not two
         weights["output.weight"] = weights["tok_embeddings.weight"]
     weights = {k: v.float() for k, v in weights.items()}
     assert {k: v.shape for k, v in loaded.state_dict().items()} == {k: v.shape for k, v in weights.items()}
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weights.items())  # the ordinary layout
-    reference = our_model(weights, ModelArgs(**params, max_seq_len=32, max_batch_size=2))
+    reference = reference_model(tmp_path / "reference", weights, torch.float32)
+    assert not any(isinstance(m, CPULinear) for m in reference.modules())
 
     tokens = torch.randint(0, params["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
     expected = reference(tokens, 0)
+    assert expected.abs().max() > 1  # logits large enough that a wrong model could not pass by being tiny
     assert (loaded(tokens, 0) - expected).abs().max() < ATOL
     steps = incremental_logits(loaded, tokens, [8, 1, 1, 1, 1])
     assert (steps - expected).abs().max() < ATOL
     assert torch.equal(steps.argmax(-1), expected.argmax(-1))
+    one_row = incremental_logits(loaded, tokens[:1], [8, 1, 1, 1, 1])  # batch 1 decodes one row at a time
+    assert (one_row - expected[:1]).abs().max() < ATOL
 
 
 def greedy_tokens(model: Transformer, prompt: torch.Tensor, steps: int) -> torch.Tensor:
@@ -508,26 +554,17 @@ def greedy_tokens(model: Transformer, prompt: torch.Tensor, steps: int) -> torch
     return tokens[:, prompt.shape[1] :]
 
 
-def test_bfloat16_cpu_speed_ups_keep_greedy_tokens_and_torch_settings(process_group, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fast_path_keeps_greedy_tokens_and_torch_settings(process_group, tmp_path, dtype):
     weights = random_weights(GQA_PARAMS, seed=12)
-    fast = load_tiny(tmp_path / "fast", weights, torch.bfloat16)
-    layers = [m for m in fast.modules() if isinstance(m, OneDNNLinear)]
-    assert len(layers) == 7 * GQA_PARAMS["n_layers"] + 1 and all(m.packed and m.weight.is_mkldnn for m in layers)
-    monkeypatch.setattr(llama.cpu, "onednn_supported", lambda device, dtype: False)  # as in a build without
-    plain = load_tiny(tmp_path / "plain", weights, torch.bfloat16)
-    assert not any(isinstance(m, OneDNNLinear) for m in plain.modules())
-
+    fast = load_tiny(tmp_path / "fast", weights, dtype)
+    reference = reference_model(tmp_path / "reference", weights, dtype)
     prompt = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(3))
     onednn_enabled = torch.backends.mkldnn.enabled
-    assert torch.equal(greedy_tokens(fast, prompt, 20), greedy_tokens(plain, prompt, 20))
-    # Decode attention switches oneDNN off for its matmuls only: the global switch is as the user left it.
+    for batch in (prompt, prompt[:1]):  # batch 1 takes the matrix-vector kernels
+        assert torch.equal(greedy_tokens(fast, batch, 20), greedy_tokens(reference, batch, 20))
+    # A bfloat16 row switches oneDNN off for its own matmul only: the global switch is as the user left it.
     assert torch.backends.mkldnn.enabled == onednn_enabled
-
-    # Packed weights read back in the ordinary layout, and unpacking gives editable fairscale layers.
-    expected = plain.state_dict()
+    # The weights are the checkpoint's, in the ordinary layout: state_dict() and editing work as usual.
+    expected = reference.state_dict()
     assert all(torch.equal(fast.state_dict()[k], v) for k, v in expected.items())
-    unpack_linear_layers(fast)
-    assert type(fast.layers[0].attention.wq) is type(plain.layers[0].attention.wq)
-    assert all(torch.equal(v, expected[k]) for k, v in fast.state_dict().items())
-
-
