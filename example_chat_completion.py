@@ -19,6 +19,7 @@ def main(
     max_gen_len: Optional[int] = None,
     device: Optional[str] = None,
     dtype: Optional[str] = None,
+    compile: bool = False,
     interactive: bool = False,
     system_prompt: Optional[str] = None,
 ):
@@ -34,6 +35,7 @@ def main(
     `max_gen_len` is optional because finetuned models are able to stop generations naturally.
     `device` is "cuda", "cuda:N", "cpu" or "mps" (default: CUDA when available), `dtype` is
     "bfloat16", "float16" or "float32" (default: bfloat16 on CUDA, float32 on CPU).
+    `--compile` decodes through torch.compile and CUDA graphs (worth it on CUDA; the first steps compile).
 
     With `--interactive`, chat in the terminal instead (optionally with `--system_prompt`).
     """
@@ -44,6 +46,7 @@ def main(
         max_batch_size=max_batch_size,
         device=device,
         dtype=dtype,
+        compile=compile,
     )
     if interactive:
         run_chat(generator, system_prompt, temperature, top_p, max_gen_len)

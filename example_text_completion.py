@@ -18,6 +18,7 @@ def main(
     max_batch_size: int = 4,
     device: Optional[str] = None,
     dtype: Optional[str] = None,
+    compile: bool = False,
 ):
     """
     Examples to run with the pretrained models (no fine-tuning). Prompts are
@@ -27,6 +28,7 @@ def main(
     `max_gen_len` is needed because pre-trained models usually do not stop completions naturally.
     `device` is "cuda", "cuda:N", "cpu" or "mps" (default: CUDA when available), `dtype` is
     "bfloat16", "float16" or "float32" (default: bfloat16 on CUDA, float32 on CPU).
+    `--compile` decodes through torch.compile and CUDA graphs (worth it on CUDA; the first steps compile).
     """
     generator = Llama.build(
         ckpt_dir=ckpt_dir,
@@ -35,6 +37,7 @@ def main(
         max_batch_size=max_batch_size,
         device=device,
         dtype=dtype,
+        compile=compile,
     )
 
     prompts: List[str] = [

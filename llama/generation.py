@@ -74,6 +74,7 @@ class Llama:
         dtype: Union[str, torch.dtype, None] = None,
         version: Optional[str] = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        compile: bool = False,
     ) -> "Llama":
         """Build a Llama instance by loading a checkpoint and its tokenizer.
 
@@ -92,6 +93,7 @@ class Llama:
             version: "3" or "3.1": the special-token names, stop tokens and chat roles. None picks "3.1" for
                 checkpoints with scaled RoPE (Llama 3.1 and later), else "3".
             timeout: How long a process waits for the others in a collective before it fails.
+            compile: Decode with a compiled step (torch.compile; CUDA graphs on CUDA), see `compile_decode_step`.
 
         Returns:
             Llama: the model and tokenizer, ready to generate.
@@ -132,12 +134,27 @@ class Llama:
             reader, model_args, fs_init.get_model_parallel_rank(), model_parallel_size, device, dtype
         )
         print(f"Loaded in {time.time() - start_time:.2f} seconds")
-        return Llama(model, tokenizer)
+        generator = Llama(model, tokenizer)
+        if compile:
+            generator.compile_decode_step()
+        return generator
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer):
         self.model = model
         self.tokenizer = tokenizer
         self.formatter = ChatFormat(tokenizer)
+        self.decode_step = None  # a compiled Transformer.decode_step, once compile_decode_step() was called
+
+    def compile_decode_step(self) -> None:
+        """Decode one token per row with `Transformer.decode_step` compiled by torch.compile, from now on.
+
+        Its shapes stay the same at every position, so one compiled graph serves them all; on CUDA it is replayed
+        as a CUDA graph, with no per-kernel launch cost. The first call for each batch size compiles (tens of
+        seconds); prompts still run through `Transformer.forward`. It is the same math, fused and summed in
+        another order: float32 gives the eager path's tokens (tested), while in bfloat16 a near tie between two
+        tokens can go the other way, as between any two bfloat16 kernels.
+        """
+        self.decode_step = compiled_decode_step(self.model)
 
     @property
     def device(self) -> torch.device:
@@ -374,7 +391,11 @@ class Llama:
             )
         prev_pos = 0
         for cur_pos in range(batch.cur_pos, total_len):
-            logits = self.model.forward(tokens[:, prev_pos:cur_pos], prev_pos, last_logits_only=not want_logprobs)
+            if self.decode_step is not None and cur_pos - prev_pos == 1:
+                position = torch.tensor([prev_pos], device=self.device)
+                logits = self.decode_step(tokens[:, prev_pos:cur_pos], position)
+            else:
+                logits = self.model.forward(tokens[:, prev_pos:cur_pos], prev_pos, last_logits_only=not want_logprobs)
             if temperature > 0:
                 probs = torch.softmax(logits[:, -1] / temperature, dim=-1)
                 next_token = sample_top_p(probs, top_p)
@@ -446,6 +467,15 @@ class Llama:
             if not finished[i]:
                 text = decoders[i].decode(b"", final=True)
                 yield StreamChunk(index=i, text=text, finished=True, stop_reason="length", n_tokens=sent[i])
+
+
+def compiled_decode_step(model: Transformer):
+    """`model.decode_step` compiled by torch.compile, replayed as a CUDA graph on CUDA."""
+    options = {
+        "triton.cudagraphs": model.tok_embeddings.weight.is_cuda,  # what mode="reduce-overhead" turns on
+        "emulate_precision_casts": True,  # round bf16/fp16 intermediates where the eager path does
+    }
+    return torch.compile(model.decode_step, dynamic=False, options=options)
 
 
 def check_sampling(temperature: float, top_p: float, max_gen_len: int) -> None:

@@ -161,11 +161,16 @@ class Attention(nn.Module):
         self.cache_k = self.cache_k.to(xq)
         self.cache_v = self.cache_v.to(xq)
 
-        self.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
-        self.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
+        if isinstance(start_pos, torch.Tensor):  # Transformer.decode_step: the whole cache, whatever the position
+            self.cache_k[:bsz].index_copy_(1, start_pos, xk)
+            self.cache_v[:bsz].index_copy_(1, start_pos, xv)
+            keys, values = self.cache_k[:bsz], self.cache_v[:bsz]
+        else:
+            self.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
+            self.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
 
-        keys = self.cache_k[:bsz, : start_pos + seqlen]
-        values = self.cache_v[:bsz, : start_pos + seqlen]
+            keys = self.cache_k[:bsz, : start_pos + seqlen]
+            values = self.cache_v[:bsz, : start_pos + seqlen]
 
         xq = xq.transpose(1, 2)  # (bs, n_local_heads, seqlen, head_dim)
         keys = keys.transpose(1, 2)  # (bs, n_local_kv_heads, cache_len + seqlen, head_dim)
@@ -296,3 +301,19 @@ class Transformer(nn.Module):
             h = h[:, -1:]
         output = self.output(h).float()
         return output
+
+    @torch.inference_mode()
+    def decode_step(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """`forward(tokens, start_pos)` for one new token per row, in shapes that stay the same at every step.
+
+        `position` is start_pos as a one-element tensor, and attention runs over the whole cache with the
+        positions after it masked out, so that one compiled step (torch.compile, CUDA graphs) serves them all.
+        The RoPE table must exist: a prompt has gone through `forward` first.
+        """
+        h = self.tok_embeddings(tokens)  # (bsz, 1, dim)
+        freqs_cis = self.freqs_cis[position]  # (1, head_dim // 2)
+        cache_positions = torch.arange(self.params.max_seq_len, device=tokens.device)
+        mask = cache_positions[None, :] <= position[:, None]  # (1, max_seq_len): the positions written so far
+        for layer in self.layers:
+            h = layer(h, position, freqs_cis, mask)
+        return self.output(self.norm(h)).float()

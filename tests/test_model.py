@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
 from llama.cpu import CPULinear, unpack_linear_layers
 from llama.demo import random_weights
+from llama.generation import compiled_decode_step
 from llama.model import (
     Attention,
     FeedForward,
@@ -568,3 +569,52 @@ def test_fast_path_keeps_greedy_tokens_and_torch_settings(process_group, tmp_pat
     # The weights are the checkpoint's, in the ordinary layout: state_dict() and editing work as usual.
     expected = reference.state_dict()
     assert all(torch.equal(fast.state_dict()[k], v) for k, v in expected.items())
+
+
+# 8. The static-shape decode step, eager and compiled ------------------------------------------------------------
+
+
+def static_steps(step, model: Transformer, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Logits for positions prompt_len.. of `tokens`: the prompt through `forward`, then one `step` per token."""
+    logits = [model(tokens[:, :prompt_len], 0)[:, -1:]]
+    for pos in range(prompt_len, tokens.shape[1] - 1):
+        logits.append(step(tokens[:, pos : pos + 1], torch.tensor([pos])))
+    return torch.cat(logits, dim=1)
+
+
+def test_decode_step_gives_the_logits_of_forward_and_ignores_stale_cache(process_group, tmp_path):
+    """decode_step attends over the whole cache; what an earlier, longer sequence left there must not count."""
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=13), torch.float32)
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 12), generator=generator)
+    expected = model(tokens, 0)[:, 5:-1]
+    model(torch.randint(0, GQA_PARAMS["vocab_size"], (2, 32), generator=generator), 0)  # fills the whole cache
+    got = static_steps(model.decode_step, model, tokens, prompt_len=6)
+    assert expected.abs().max() > 1
+    assert (got - expected).abs().max() < ATOL
+
+
+def test_compiled_decoding_keeps_greedy_tokens(tiny_checkpoint, tokenizer_path, process_group):
+    """Llama.build(compile=True) decodes through torch.compile; float32 tokens stay those of the eager path."""
+    from llama import Llama
+
+    generator = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=48, max_batch_size=2, device="cpu")
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    eager = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
+    generator.compile_decode_step()
+    compiled = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
+    assert [c["generation"] for c in compiled] == [e["generation"] for e in eager]
+    for c, e in zip(compiled, eager):
+        assert max(abs(a - b) for a, b in zip(c["logprobs"], e["logprobs"])) < ATOL
+
+
+def test_compiled_bfloat16_step_rounds_like_the_eager_path(process_group, tmp_path):
+    """In bfloat16 fused kernels round differently, so compare step by step on the same tokens: the same argmax,
+    and logits apart by bfloat16 rounding only (its step is 1/128 of a value)."""
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=14), torch.bfloat16)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(6))
+    expected = model(tokens, 0)[:, 5:-1]
+    step = compiled_decode_step(model)
+    got = static_steps(step, model, tokens, prompt_len=6)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert (got - expected).abs().max() < 0.02 * expected.abs().max()
