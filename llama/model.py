@@ -3,7 +3,7 @@
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
@@ -145,7 +145,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        start_pos: int,
+        start_pos: Union[int, torch.Tensor],  # a tensor from Transformer.decode_step
         freqs_cis: torch.Tensor,
         mask: Optional[torch.Tensor],
     ):
@@ -230,7 +230,7 @@ class TransformerBlock(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        start_pos: int,
+        start_pos: Union[int, torch.Tensor],
         freqs_cis: torch.Tensor,
         mask: Optional[torch.Tensor],
     ):
