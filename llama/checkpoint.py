@@ -403,7 +403,7 @@ def load_model(
     expected_shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
     weights = load_rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device)
     model.load_state_dict(weights, strict=True, assign=True)
-    speed_up_for_cpu(model, device, dtype)
+    speed_up_for_cpu(model, device, dtype, model_args.max_batch_size)
     model.init_kv_caches(device, dtype)
     return model.eval()
 

@@ -11,8 +11,10 @@ import types
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
+import llama.cpu
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
 from llama.cpu import CPULinear, unpack_linear_layers
 from llama.demo import random_weights
@@ -569,6 +571,46 @@ def test_fast_path_keeps_greedy_tokens_and_torch_settings(process_group, tmp_pat
     # The weights are the checkpoint's, in the ordinary layout: state_dict() and editing work as usual.
     expected = reference.state_dict()
     assert all(torch.equal(fast.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_group, tmp_path):
+    """Decode steps of several bf16 sequences run on weights packed once for oneDNN: the logits of `F.linear`
+    bit for bit, also after a weight is edited in place or replaced between calls."""
+    weights = random_weights(GQA_PARAMS, seed=15)
+    packed = load_tiny(tmp_path / "packed", weights, torch.bfloat16)
+    plain = load_tiny(tmp_path / "plain", weights, torch.bfloat16)
+    unpack_linear_layers(plain)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(7))
+
+    def steps(model):
+        return incremental_logits(model, tokens, [6, 1, 1, 1, 1])
+
+    before = steps(packed)
+    assert torch.equal(before, steps(plain))
+    assert all(m.packed is not None for m in packed.modules() if isinstance(m, CPULinear))
+
+    with torch.no_grad():
+        for model in (packed, plain):
+            model.layers[1].feed_forward.w2.weight.mul_(-1)
+    after = steps(packed)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, steps(plain))
+
+    # A replaced weight, made to have the old one's version count: only its identity tells it apart.
+    output = torch.randn_like(plain.output.weight)
+    while output._version < packed.output.weight._version:
+        output.add_(0)
+    packed.output.weight, plain.output.weight = nn.Parameter(output), nn.Parameter(output.clone())
+    assert torch.equal(steps(packed), steps(plain))
+
+
+def test_no_packed_copies_without_memory_for_them(process_group, tmp_path, monkeypatch):
+    """A second copy of the weights is made only when the system has twice their size available."""
+    monkeypatch.setattr(llama.cpu, "available_memory", lambda: 0)
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=15), torch.bfloat16)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(7))
+    incremental_logits(model, tokens, [6, 1, 1])
+    assert all(m.packed is None for m in model.modules() if isinstance(m, CPULinear))
 
 
 # 8. The static-shape decode step, eager and compiled ------------------------------------------------------------
