@@ -4,7 +4,6 @@ It keeps the reference math; only the order in which products are summed changes
 1e-4 of the reference math in float32 and greedy tokens equal. Figures: `benchmarks/bench.py`.
 """
 
-import os
 from contextlib import contextmanager
 
 import torch
@@ -129,13 +128,10 @@ def speed_up_for_cpu(model: nn.Module, device: torch.device, dtype: torch.dtype,
 
 
 def available_memory() -> int:
-    """Bytes the system can hand out without swapping: Linux's MemAvailable (which counts reclaimable page
-    cache, such as mmap-ed checkpoint pages), else the free pages."""
+    """Bytes the system can hand out without swapping: Linux's MemAvailable, which counts reclaimable page cache
+    such as mmap-ed checkpoint pages; 0 where it is not known, so that nothing extra is allocated there."""
     try:
         with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0
