@@ -80,6 +80,10 @@ class CPULinear(nn.Module):
             self.packed = (self.weight, self.weight._version, torch.ops.mkldnn._reorder_linear_weight(self.weight))
         return self.packed[2]
 
+    def __getstate__(self):
+        # An opaque oneDNN tensor cannot be copied or saved; a copy of this layer packs its own on use.
+        return {**super().__getstate__(), "packed": None}
+
     def unpack(self) -> nn.Module:
         """The fairscale layer, with this weight."""
         self.plain.weight = self.weight

@@ -6,6 +6,7 @@ attention and Hugging Face `transformers.LlamaForCausalLM` for the whole model. 
 weight conversion is written here too, so that a mistake in llama/checkpoint.py cannot hide one in the model.
 """
 
+import copy
 import math
 import types
 
@@ -602,6 +603,9 @@ def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_gr
         output.add_(0)
     packed.output.weight, plain.output.weight = nn.Parameter(output), nn.Parameter(output.clone())
     assert torch.equal(steps(packed), steps(plain))
+
+    # The packed copies are dropped from copies of the model (they cannot be copied), and remade there.
+    assert torch.equal(steps(copy.deepcopy(packed)), steps(plain))
 
 
 def test_no_packed_copies_without_memory_for_them(process_group, tmp_path, monkeypatch):
