@@ -239,6 +239,13 @@ def test_two_processes_match_one_process(two_processes, reference):
     assert_only_rank0_printed(two_processes)
 
 
+def test_compiled_decoding_across_two_processes(checkpoint, reference, tokenizer_path, tmp_path):
+    """torch.compile breaks the decode step's graph at fairscale's all-reduce; the greedy tokens stay the same."""
+    run = launch(single_node(2), checkpoint("gqa", 2), tokenizer_path, tmp_path / "out", "--compile")
+    assert run.returncodes == [0], run.stderrs[0]
+    assert [rank["greedy"] for rank in run.results(2)] == [reference("gqa")["greedy"]] * 2
+
+
 @pytest.mark.parametrize(
     "name, n_shards, nproc",
     [("gqa", 1, 2), ("gqa", 2, 1), ("mp4", 4, 2), ("mp4", 2, 4)],
