@@ -160,6 +160,9 @@ def reference_attention_forward(self, x, start_pos, freqs_cis, mask):
     from llama.model import apply_rotary_emb
 
     bsz, seqlen, _ = x.shape
+    if seqlen > 1:  # Meta's mask (this library passes "causal" for a prompt from position 0)
+        mask = torch.full((seqlen, seqlen), float("-inf"), device=x.device).triu(1)
+        mask = torch.hstack([torch.zeros((seqlen, start_pos), device=x.device), mask]).type_as(x)
     xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
     xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
     xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)

@@ -129,8 +129,10 @@ def reference_attention(xq, keys, values, mask, n_rep: int) -> torch.Tensor:
 
 
 def reference_attention_forward(self: Attention, x, start_pos, freqs_cis, mask):
-    """`Attention.forward` as Meta wrote it: our projections, RoPE and cache, then `reference_attention`."""
+    """`Attention.forward` as Meta wrote it: our projections, RoPE and cache, then `reference_attention` under
+    Meta's mask, built here (the `mask` our Transformer passes is not used)."""
     bsz, seqlen, _ = x.shape
+    mask = causal_mask(seqlen, start_pos).to(x.dtype) if seqlen > 1 else None
     xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
     xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
     xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
