@@ -576,6 +576,21 @@ def test_fast_path_keeps_greedy_tokens_and_torch_settings(process_group, tmp_pat
     assert all(torch.equal(fast.state_dict()[k], v) for k, v in expected.items())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_prompt_attended_causally_equals_the_mask_tensor_bit_for_bit(process_group, tmp_path, dtype):
+    """A prompt from position 0 goes through SDPA's is_causal; the reference's mask tensor gives the same bits."""
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=16), dtype)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 29), generator=torch.Generator().manual_seed(8))
+    causal = model(tokens, 0)
+    with torch.inference_mode():
+        h = model.tok_embeddings(tokens)
+        mask = causal_mask(tokens.shape[1], 0).to(dtype)
+        for layer in model.layers:
+            h = layer(h, 0, model.freqs_cis[: tokens.shape[1]], mask)
+        masked = model.output(model.norm(h)).float()
+    assert torch.equal(causal, masked)
+
+
 def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_group, tmp_path):
     """Decode steps of several bf16 sequences run on weights packed once for oneDNN: the logits of `F.linear`
     bit for bit, also after a weight is edited in place or replaced between calls."""
