@@ -236,8 +236,12 @@ class TransformerBlock(nn.Module):
         start_pos: Union[int, torch.Tensor],
         freqs_cis: torch.Tensor,
         mask: Union[torch.Tensor, Literal["causal"], None],
+        last_position_only: bool = False,
     ):
-        h = x + self.attention(self.attention_norm(x), start_pos, freqs_cis, mask)
+        attended = self.attention(self.attention_norm(x), start_pos, freqs_cis, mask)
+        if last_position_only:  # every position's keys and values are cached now; only the last output is wanted
+            x, attended = x[:, -1:], attended[:, -1:]
+        h = x + attended
         out = h + self.feed_forward(self.ffn_norm(h))
         return out
 
@@ -301,11 +305,11 @@ class Transformer(nn.Module):
             # j > cache_len + i, since row i corresponds to token cache_len + i.
             mask = torch.hstack([torch.zeros((seqlen, start_pos), device=tokens.device), mask]).type_as(h)
 
+        # Sampling needs only the next token's distribution: with last_logits_only, the last layer's feed-forward
+        # and the output head skip the other positions.
         for layer in self.layers:
-            h = layer(h, start_pos, freqs_cis, mask)
+            h = layer(h, start_pos, freqs_cis, mask, last_position_only=last_logits_only and layer is self.layers[-1])
         h = self.norm(h)
-        if last_logits_only:  # sampling needs only the next token's distribution: skip the other positions
-            h = h[:, -1:]
         output = self.output(h).float()
         return output
 

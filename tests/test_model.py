@@ -320,11 +320,15 @@ def test_logits_match_transformers(process_group, params):
     cached = incremental_logits(ours, tokens, [6, 4, 1, 1, 1, 1, 1, 1])
     assert (cached - expected).abs().max() < ATOL
 
-    # The speed-up generation uses when it needs no logprobs: logits for the last position only.
-    last = ours(tokens, 0, last_logits_only=True)
+    # The speed-up generation uses when it needs no logprobs: logits for the last position only, with the last
+    # layer's feed-forward run on that position alone. Every position's keys and values are still cached: the
+    # tokens after such a prompt get the same logits.
+    ours.init_kv_caches()  # zeroed, so that nothing the passes above cached stands in for this one's
+    last = ours(tokens[:, :10], 0, last_logits_only=True)
     assert last.shape == (2, 1, params["vocab_size"])
-    assert (last - expected[:, -1:]).abs().max() < ATOL
-    assert torch.equal(last.argmax(-1), expected[:, -1:].argmax(-1))
+    assert (last - expected[:, 9:10]).abs().max() < ATOL
+    assert torch.equal(last.argmax(-1), expected[:, 9:10].argmax(-1))
+    assert (ours(tokens[:, 10:], 10) - expected[:, 10:]).abs().max() < ATOL
 
 
 # 4. Scaled RoPE (Llama 3.1 and later) -------------------------------------------------------------------------
