@@ -596,8 +596,8 @@ def test_prompt_attended_causally_equals_the_mask_tensor_bit_for_bit(process_gro
 
 
 def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_group, tmp_path):
-    """Decode steps of several bf16 sequences run on weights packed once for oneDNN: the logits of `F.linear`
-    bit for bit, also after a weight is edited in place or replaced between calls."""
+    """Prompts and decode steps of several bf16 sequences run on weights packed once for oneDNN: the logits of
+    `F.linear` bit for bit, also after a weight is edited in place or replaced between calls."""
     weights = random_weights(GQA_PARAMS, seed=15)
     packed = load_tiny(tmp_path / "packed", weights, torch.bfloat16)
     plain = load_tiny(tmp_path / "plain", weights, torch.bfloat16)
