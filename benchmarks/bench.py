@@ -49,7 +49,7 @@ SETTINGS = {  # prompt length for prefill, decode steps
     "1b": dict(prefill_len=256, decode_steps=12),
     "8b": dict(prefill_len=512, decode_steps=64),
 }
-DECODE_PROMPT_LEN = 16
+DECODE_PROMPT = [128000] + list(range(1000, 1015))  # <|begin_of_text|> and 15 ordinary tokens
 REPEATS = 3
 ROOFLINE_PAIRS = 5  # batch-1 decode runs, each with its own bandwidth read
 
@@ -220,10 +220,9 @@ def worker_llama(args) -> dict:
     result["first_prefill_s"] = timed(lambda: model.forward(prompt, 0, last_logits_only=True), args.device, 1)
     last = timed(lambda: model.forward(prompt, 0, last_logits_only=True), args.device)
     result["prefill_tok_s"] = args.prefill_len / last
-    prompt_tokens = [128000] + list(range(1000, 1000 + DECODE_PROMPT_LEN - 1))
     result.update(
         measure_decode(
-            lambda bsz, n: generator.generate([prompt_tokens] * bsz, max_gen_len=n, temperature=0), steps, args.device
+            lambda bsz, n: generator.generate([DECODE_PROMPT] * bsz, max_gen_len=n, temperature=0), steps, args.device
         )
     )
     # The reference algorithm: logits for every prompt position, and the reference's kernels and attention.
@@ -254,10 +253,8 @@ def worker_transformers(args) -> dict:
         result["first_prefill_s"] = timed(lambda: model(prompt, logits_to_keep=1, use_cache=True), args.device, 1)
         last = timed(lambda: model(prompt, logits_to_keep=1, use_cache=True), args.device)
         result["prefill_tok_s"] = args.prefill_len / last
-        prompt_tokens = [128000] + list(range(1000, 1000 + DECODE_PROMPT_LEN - 1))
-
         def generate(bsz, n):
-            ids = torch.tensor([prompt_tokens] * bsz, device=args.device)
+            ids = torch.tensor([DECODE_PROMPT] * bsz, device=args.device)
             return model.generate(
                 ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
             )
