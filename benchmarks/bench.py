@@ -203,7 +203,7 @@ def worker_llama(args) -> dict:
     import torch
 
     from llama import Llama
-    from llama.cpu import unpack_linear_layers
+    from llama.parallel_layers import unpack_layers
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -226,7 +226,7 @@ def worker_llama(args) -> dict:
         )
     )
     # The reference algorithm: logits for every prompt position, and the reference's kernels and attention.
-    unpack_linear_layers(model)
+    unpack_layers(model)
     for layer in model.layers:
         layer.attention.forward = types.MethodType(reference_attention_forward, layer.attention)
     full = timed(lambda: model.forward(prompt, 0), args.device)

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from fairscale.nn.model_parallel.mappings import gather_from_model_parallel_region, reduce_from_model_parallel_region
+
+from llama.parallel_layers import ParallelLinear, replace_layers
 
 
 def onednn_supported(device: torch.device) -> bool:
@@ -23,7 +24,7 @@ def onednn_supported(device: torch.device) -> bool:
     )
 
 
-class CPULinear(nn.Module):
+class CPULinear(ParallelLinear):
     """A fairscale `ColumnParallelLinear` or `RowParallelLinear` whose matmul runs on the fastest CPU kernel.
 
     On the AMD EPYC we measure on, `F.linear` reads a weight at about 60% of the memory bandwidth for one row
@@ -34,29 +35,14 @@ class CPULinear(nn.Module):
     sequences) run on a copy of the weight in oneDNN's layout, made at the first such input and again whenever
     the weight has changed since: the same oneDNN kernel as `F.linear` (bit-identical results) without the
     reorder on every call.
-    The forward is fairscale's with that matmul in place of `F.linear`, for inference only; the weight is the
+    The forward is fairscale's with that matmul in place of `F.linear` (`ParallelLinear`); the weight is the
     same parameter, so it can be edited or tied as usual.
     """
 
     def __init__(self, layer: nn.Module, pack_weights: bool = False):
-        super().__init__()
-        if layer.bias is not None or not getattr(layer, "input_is_parallel", True):
-            raise ValueError("CPULinear takes Llama's layers only: no bias, row-parallel input already split")
-        self.weight = layer.weight  # the same tensor, so a tied head stays tied to the embedding
-        layer.weight = None
-        self.plain = layer  # keeps the layer's settings, and gives it back in unpack()
+        super().__init__(layer)
         self.pack_weights = pack_weights
         self.packed = None  # (weight, its version when packed, the packed copy)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
-        # What fairscale does with the product: a row-parallel layer sums the partial products over the
-        # model-parallel group, and a column-parallel one may gather the split outputs.
-        if isinstance(self.plain, RowParallelLinear):
-            return reduce_from_model_parallel_region(y)
-        if self.plain.gather_output:
-            return gather_from_model_parallel_region(y)
-        return y
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # torch.compile picks its own kernels
@@ -85,11 +71,6 @@ class CPULinear(nn.Module):
         # An opaque oneDNN tensor cannot be copied or saved; a copy of this layer packs its own on use.
         return {**super().__getstate__(), "packed": None}
 
-    def unpack(self) -> nn.Module:
-        """The fairscale layer, with this weight."""
-        self.plain.weight = self.weight
-        return self.plain
-
 
 @contextmanager
 def onednn_disabled():
@@ -102,21 +83,9 @@ def onednn_disabled():
         torch.backends.mkldnn.enabled = enabled
 
 
-def _replace_layers(model: nn.Module, kind, replacement) -> None:
-    for module in list(model.modules()):
-        for name, child in module.named_children():
-            if isinstance(child, kind):
-                setattr(module, name, replacement(child))
-
-
 def use_cpu_linear_layers(model: nn.Module, pack_weights: bool = False) -> None:
     """Replace every fairscale linear layer in `model` with a `CPULinear`, in place."""
-    _replace_layers(model, (ColumnParallelLinear, RowParallelLinear), lambda layer: CPULinear(layer, pack_weights))
-
-
-def unpack_linear_layers(model: nn.Module) -> None:
-    """Undo `use_cpu_linear_layers`, in place: the reference's fairscale layers (and its kernels)."""
-    _replace_layers(model, CPULinear, CPULinear.unpack)
+    replace_layers(model, (ColumnParallelLinear, RowParallelLinear), lambda layer: CPULinear(layer, pack_weights))
 
 
 def speed_up_for_cpu(model: nn.Module, device: torch.device, dtype: torch.dtype, max_batch_size: int) -> None:

@@ -2,6 +2,7 @@
 # This software may be used and distributed in accordance with the terms of the Llama 3 Community License Agreement.
 
 import codecs
+import functools
 import itertools
 import time
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from llama.checkpoint import load_model, model_args_from, open_checkpoint
 from llama.distributed import init_model_parallel, resolve_device, resolve_dtype
 from llama.model import Transformer
+from llama.parallel_layers import use_parallel_layers
 from llama.tokenizer import ChatFormat, Dialog, Message, Tokenizer
 
 LLAMA3_CONTEXT = 8192
@@ -470,12 +472,25 @@ class Llama:
 
 
 def compiled_decode_step(model: Transformer):
-    """`model.decode_step` compiled by torch.compile, replayed as a CUDA graph on CUDA."""
+    """`model.decode_step` compiled by torch.compile, replayed as a CUDA graph on CUDA.
+
+    fairscale's layers in `model` are replaced with `llama.parallel_layers`' (the same weights and math) first:
+    with theirs, the step would not compile to one graph.
+    """
+    use_parallel_layers(model)
     options = {
         "triton.cudagraphs": model.tok_embeddings.weight.is_cuda,  # what mode="reduce-overhead" turns on
         "emulate_precision_casts": True,  # round bf16/fp16 intermediates where the eager path does
     }
-    return torch.compile(model.decode_step, dynamic=False, options=options)
+    # Compiled without the inference mode that decode_step enters, which torch.compile cannot trace in a graph
+    # of inference tensors with views (pytorch/pytorch#180823), and run inside it.
+    step = torch.compile(functools.partial(Transformer.decode_step.__wrapped__, model), dynamic=False, options=options)
+
+    def decode_step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return step(tokens, position)
+
+    return decode_step
 
 
 def check_sampling(temperature: float, top_p: float, max_gen_len: int) -> None:

@@ -16,6 +16,8 @@ import os
 import time
 from datetime import timedelta
 
+from torch._dynamo.utils import counters
+
 from llama import Llama
 
 PROMPTS = [
@@ -73,6 +75,9 @@ def main() -> None:
         for key, tensor in generator.model.state_dict().items()
     }
     result = {"rank": rank, "greedy": greedy, "sampled": sampled, "weights": weights}
+    if args.compile:  # how many graphs the compiled decode step became, and the reasons it was broken up
+        result["compiled_graphs"] = counters["stats"]["unique_graphs"]
+        result["graph_breaks"] = list(counters["graph_break"])
     with open(f"{args.out_prefix}.rank{rank}.json", "w") as f:
         json.dump(result, f)
 

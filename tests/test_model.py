@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import llama.cpu
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
-from llama.cpu import CPULinear, unpack_linear_layers
+from llama.cpu import CPULinear
 from llama.demo import random_weights
 from llama.generation import compiled_decode_step
 from llama.model import (
@@ -29,6 +30,7 @@ from llama.model import (
     apply_rotary_emb,
     precompute_freqs_cis,
 )
+from llama.parallel_layers import ParallelLinear, unpack_layers
 
 transformers = pytest.importorskip("transformers")
 
@@ -521,7 +523,7 @@ def load_tiny(tmp_path, weights, dtype):
 def reference_model(tmp_path, weights, dtype) -> Transformer:
     """The same checkpoint as `load_tiny` gives, run as Meta's code runs it: `F.linear`, attention step by step."""
     model = load_tiny(tmp_path, weights, dtype)
-    unpack_linear_layers(model)
+    unpack_layers(model)
     return with_reference_attention(model)
 
 
@@ -601,7 +603,7 @@ def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_gr
     weights = random_weights(GQA_PARAMS, seed=15)
     packed = load_tiny(tmp_path / "packed", weights, torch.bfloat16)
     plain = load_tiny(tmp_path / "plain", weights, torch.bfloat16)
-    unpack_linear_layers(plain)
+    unpack_layers(plain)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(7))
 
     def steps(model):
@@ -668,11 +670,32 @@ def test_compiled_decoding_keeps_greedy_tokens(tiny_checkpoint, tokenizer_path, 
     generator = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=48, max_batch_size=2, device="cpu")
     prompts = ["The capital of France is", "1, 2, 3,"]
     eager = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
+    counters.clear()
     generator.compile_decode_step()
     compiled = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]  # the whole step, compiled
     assert [c["generation"] for c in compiled] == [e["generation"] for e in eager]
     for c, e in zip(compiled, eager):
         assert max(abs(a - b) for a, b in zip(c["logprobs"], e["logprobs"])) < ATOL
+
+
+def test_compiled_step_is_one_graph_with_fairscale_layers(process_group, tmp_path):
+    """On a GPU the model keeps fairscale's layers, whose all-reduce torch.compile cannot trace: compiling swaps in
+    `llama.parallel_layers`, so the step is still one graph (one CUDA graph), with the same weights and logits."""
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=16), torch.float32)
+    unpack_layers(model)  # fairscale's layers, as loaded on a GPU
+    weights = model.state_dict()
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(8))
+    expected = static_steps(model.decode_step, model, tokens, prompt_len=6)
+    counters.clear()
+    got = static_steps(compiled_decode_step(model), model, tokens, prompt_len=6)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert expected.abs().max() > 1
+    assert (got - expected).abs().max() < ATOL
+    assert isinstance(model.layers[0].feed_forward.w2, ParallelLinear)
+    assert {key: tensor.data_ptr() for key, tensor in model.state_dict().items()} == {
+        key: tensor.data_ptr() for key, tensor in weights.items()
+    }
 
 
 def test_compiled_bfloat16_step_rounds_like_the_eager_path(process_group, tmp_path):

@@ -240,10 +240,13 @@ def test_two_processes_match_one_process(two_processes, reference):
 
 
 def test_compiled_decoding_across_two_processes(checkpoint, reference, tokenizer_path, tmp_path):
-    """torch.compile breaks the decode step's graph at fairscale's all-reduce; the greedy tokens stay the same."""
+    """The compiled decode step is one graph per batch size in each process, all-reduces included; the greedy
+    tokens stay the same."""
     run = launch(single_node(2), checkpoint("gqa", 2), tokenizer_path, tmp_path / "out", "--compile")
     assert run.returncodes == [0], run.stderrs[0]
-    assert [rank["greedy"] for rank in run.results(2)] == [reference("gqa")["greedy"]] * 2
+    ranks = run.results(2)
+    assert [(rank["compiled_graphs"], rank["graph_breaks"]) for rank in ranks] == [(2, [])] * 2  # 4 and 2 rows
+    assert [rank["greedy"] for rank in ranks] == [reference("gqa")["greedy"]] * 2
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,104 @@
+"""fairscale's model-parallel layers for inference: the same weights, state-dict keys and math, with the
+collectives called directly.
+
+fairscale runs each collective through an autograd.Function, for training. torch.compile cannot trace the one
+that sums over the group (it calls `ctx.mark_dirty`), so with fairscale's layers a compiled decode step falls
+apart into a separate graph at every row-parallel layer and at the embedding, even in one process, where the
+sum does nothing: 65 graphs for Llama 3 8B, each its own CUDA graph, with Python in between (and torch.compile
+gives up on a loop broken like that, running the layers eagerly). These layers skip the sum in one process, and
+in a compiled graph of several run it as a functional all-reduce, which the graph includes: the decode step
+compiles to a single graph.
+"""
+
+import fairscale.nn.model_parallel.initialize as fs_init
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from fairscale.nn.model_parallel.mappings import gather_from_model_parallel_region, reduce_from_model_parallel_region
+
+
+def sum_over_model_parallel_group(x: torch.Tensor) -> torch.Tensor:
+    """fairscale's all-reduce of partial results, skipped in one process (where it returns `x` as it is)."""
+    if fs_init.get_model_parallel_world_size() == 1:
+        return x
+    if torch.compiler.is_compiling():  # a functional all-reduce, which torch.compile traces into the graph
+        return funcol.all_reduce(x, "sum", fs_init.get_model_parallel_group())
+    return reduce_from_model_parallel_region(x)
+
+
+class InferenceLayer(nn.Module):
+    """Holds a fairscale layer's weight, the same parameter under the same state-dict key, and the layer itself
+    for its settings (and to give it back in `unpack`)."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.weight = layer.weight  # the same tensor, so a tied head stays tied to the embedding
+        layer.weight = None
+        self.plain = layer
+
+    def unpack(self) -> nn.Module:
+        """The fairscale layer, with this weight."""
+        self.plain.weight = self.weight
+        return self.plain
+
+
+class ParallelLinear(InferenceLayer):
+    """fairscale's `ColumnParallelLinear` or `RowParallelLinear` forward, for Llama's layers (no bias, row-parallel
+    input already split)."""
+
+    def __init__(self, layer: nn.Module):
+        if layer.bias is not None or not getattr(layer, "input_is_parallel", True):
+            name = type(self).__name__
+            raise ValueError(f"{name} takes Llama's layers only: no bias, row-parallel input already split")
+        super().__init__(layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        # A row-parallel layer sums the partial products over the group; a column-parallel one may gather the
+        # split outputs.
+        if isinstance(self.plain, RowParallelLinear):
+            return sum_over_model_parallel_group(y)
+        if self.plain.gather_output:
+            return gather_from_model_parallel_region(y)
+        return y
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class ParallelEmbedding(InferenceLayer):
+    """fairscale's `VocabParallelEmbedding` forward: each process holds a slice of the vocabulary's rows."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if fs_init.get_model_parallel_world_size() == 1:
+            return F.embedding(tokens, self.weight)
+        # Tokens outside this process's rows get zeros here, and their rows from the process that holds them.
+        start, end = self.plain.vocab_start_index, self.plain.vocab_end_index
+        outside = (tokens < start) | (tokens >= end)
+        rows = F.embedding((tokens - start).masked_fill(outside, 0), self.weight)
+        return sum_over_model_parallel_group(rows.masked_fill(outside[..., None], 0.0))
+
+
+def replace_layers(model: nn.Module, kind, replacement) -> None:
+    """Replace every submodule of `model` of type `kind` with `replacement(submodule)`, in place."""
+    for module in list(model.modules()):
+        if isinstance(module, InferenceLayer):
+            continue  # the fairscale layer it holds is not run
+        for name, child in module.named_children():
+            if isinstance(child, kind):
+                setattr(module, name, replacement(child))
+
+
+def use_parallel_layers(model: nn.Module) -> None:
+    """Replace fairscale's linear layers and embedding in `model` with these, in place; layers already replaced
+    (such as `llama.cpu.CPULinear`) stay as they are."""
+    replace_layers(model, (ColumnParallelLinear, RowParallelLinear), ParallelLinear)
+    replace_layers(model, VocabParallelEmbedding, ParallelEmbedding)
+
+
+def unpack_layers(model: nn.Module) -> None:
+    """Undo `use_parallel_layers` and `llama.cpu.use_cpu_linear_layers`, in place: fairscale's layers, as in
+    Meta's code."""
+    replace_layers(model, InferenceLayer, InferenceLayer.unpack)
