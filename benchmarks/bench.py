@@ -117,9 +117,11 @@ def measure_decode(generate, steps: int, device: str) -> dict:
     """Decode tokens/s at batch 8 (best of REPEATS) and at batch 1, each batch-1 run paired with the memory
     bandwidth read right after it. `generate(bsz, n)` decodes n new tokens for each of bsz equal prompts; its
     first token, which comes from the prompt's forward, is subtracted. Peak memory is taken before the first
-    bandwidth read, whose 1 GiB would count in it."""
+    bandwidth read, whose 1 GiB would count in it. Each batch size first decodes two tokens untimed: a compiled
+    step compiles then, and the packed weights are made."""
 
     def rate(bsz, repeats):
+        generate(bsz, 2)
         first = timed(lambda: generate(bsz, 1), device, repeats)
         return bsz * steps / (timed(lambda: generate(bsz, steps + 1), device, repeats) - first)
 
@@ -225,6 +227,12 @@ def worker_llama(args) -> dict:
             lambda bsz, n: generator.generate([DECODE_PROMPT] * bsz, max_gen_len=n, temperature=0), steps, args.device
         )
     )
+    if args.compile:  # one graph per batch size (8 and 1), none of them broken up or kept off CUDA graphs
+        from torch._dynamo.utils import counters
+
+        result["compiled_graphs"] = counters["stats"]["unique_graphs"]
+        result["graph_breaks"] = sum(counters["graph_break"].values())
+        result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
     # The reference algorithm: logits for every prompt position, and the reference's kernels and attention.
     unpack_layers(model)
     for layer in model.layers:
@@ -350,6 +358,12 @@ def print_table(rows) -> None:
             f"prefill {ours['prefill_tok_s'] / ours['prefill_reference_tok_s']:.2f}x the reference algorithm; "
             f"load {ours['load_s'] / row['read_s']['llama']:.2f}x the read time"
         )
+        if "compiled_graphs" in ours:
+            print(
+                f"{row['shape']:6} {row['dtype']:9} compiled decode step: {ours['compiled_graphs']} graphs "
+                f"(one per batch size is right), {ours['graph_breaks']} graph breaks, "
+                f"{ours['cudagraph_skips']} kept off CUDA graphs"
+            )
 
 
 def median(values) -> float:

@@ -488,7 +488,9 @@ def compiled_decode_step(model: Transformer):
 
     def decode_step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
-            return step(tokens, position)
+            # A column of the batch's token table has its row stride, which changes with the table's length and
+            # would compile the step again for each (contiguous() keeps it for one row); a copy's strides do not.
+            return step(tokens.clone(memory_format=torch.contiguous_format), position)
 
     return decode_step
 

@@ -677,6 +677,9 @@ def test_compiled_decoding_keeps_greedy_tokens(tiny_checkpoint, tokenizer_path, 
     assert [c["generation"] for c in compiled] == [e["generation"] for e in eager]
     for c, e in zip(compiled, eager):
         assert max(abs(a - b) for a, b in zip(c["logprobs"], e["logprobs"])) < ATOL
+    counters.clear()
+    generator.text_completion(["Prompts of other lengths", "and another length of output"], max_gen_len=9)
+    assert counters["stats"]["unique_graphs"] == 0  # the same compiled step, not compiled again
 
 
 def test_compiled_step_is_one_graph_with_fairscale_layers(process_group, tmp_path):
