@@ -150,11 +150,12 @@ class Llama:
     def compile_decode_step(self) -> None:
         """Decode one token per row with `Transformer.decode_step` compiled by torch.compile, from now on.
 
-        Its shapes stay the same at every position, so one compiled graph serves them all; on CUDA it is replayed
-        as a CUDA graph, with no per-kernel launch cost. The first call for each batch size compiles (tens of
-        seconds); prompts still run through `Transformer.forward`. It is the same math, fused and summed in
-        another order: float32 gives the eager path's tokens (tested), while in bfloat16 a near tie between two
-        tokens can go the other way, as between any two bfloat16 kernels.
+        Its shapes stay the same at every position, so one compiled graph serves them all, whatever the prompt and
+        output lengths; on CUDA it is replayed as a CUDA graph, with no per-kernel launch cost. The first call for
+        each batch size compiles (tens of seconds); prompts still run through `Transformer.forward`. The model's
+        fairscale layers are swapped for `llama.parallel_layers`' (see `compiled_decode_step`). It is the same
+        math, fused and summed in another order: float32 gives the eager path's tokens (tested), while in bfloat16
+        a near tie between two tokens can go the other way, as between any two bfloat16 kernels.
         """
         self.decode_step = compiled_decode_step(self.model)
 
