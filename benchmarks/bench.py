@@ -117,11 +117,11 @@ def measure_decode(generate, steps: int, device: str) -> dict:
     """Decode tokens/s at batch 8 (best of REPEATS) and at batch 1, each batch-1 run paired with the memory
     bandwidth read right after it. `generate(bsz, n)` decodes n new tokens for each of bsz equal prompts; its
     first token, which comes from the prompt's forward, is subtracted. Peak memory is taken before the first
-    bandwidth read, whose 1 GiB would count in it. Each batch size first decodes two tokens untimed: a compiled
-    step compiles then, and the packed weights are made."""
+    bandwidth read, whose 1 GiB would count in it. Each batch size first decodes a few tokens untimed: a compiled
+    step compiles, runs once and is recorded as a CUDA graph then, and the packed weights are made."""
 
     def rate(bsz, repeats):
-        generate(bsz, 2)
+        generate(bsz, 4)
         first = timed(lambda: generate(bsz, 1), device, repeats)
         return bsz * steps / (timed(lambda: generate(bsz, steps + 1), device, repeats) - first)
 
