@@ -2,11 +2,11 @@
 collectives called directly.
 
 fairscale runs each collective through an autograd.Function, for training. torch.compile cannot trace the one
-that sums over the group (it calls `ctx.mark_dirty`), so with fairscale's layers a compiled decode step falls
-apart into a separate graph at every row-parallel layer and at the embedding, even in one process, where the
-sum does nothing: 65 graphs for Llama 3 8B, each its own CUDA graph, with Python in between (and torch.compile
-gives up on a loop broken like that, running the layers eagerly). These layers skip the sum in one process, and
-in a compiled graph of several run it as a functional all-reduce, which the graph includes: the decode step
+that sums over the group (it calls `ctx.mark_dirty`), so with fairscale's layers a compiled decode step breaks
+at every row-parallel layer and at the embedding, even in one process, where the sum does nothing. Broken inside
+its loop over the layers, torch.compile runs that loop eagerly and compiles each layer's pieces apart: many small
+graphs (and CUDA graphs), with Python between them. These layers skip the sum in one process, and in a compiled
+graph of several processes run it as a functional all-reduce, which the graph includes: the decode step
 compiles to a single graph.
 """
 
