@@ -663,17 +663,22 @@ def test_decode_step_gives_the_logits_of_forward_and_ignores_stale_cache(process
     assert (got - expected).abs().max() < ATOL
 
 
-def test_compiled_decoding_keeps_greedy_tokens(tiny_checkpoint, tokenizer_path, process_group):
-    """Llama.build(compile=True) decodes through torch.compile; float32 tokens stay those of the eager path."""
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_compiled_decoding_keeps_greedy_tokens(tiny_checkpoint, tokenizer_path, process_group, device):
+    """Llama.build(compile=True) decodes through torch.compile (on CUDA, CUDA graphs); float32 tokens stay those of
+    the eager path."""
     from llama import Llama
 
-    generator = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=48, max_batch_size=2, device="cpu")
+    generator = Llama.build(
+        str(tiny_checkpoint), tokenizer_path, max_seq_len=48, max_batch_size=2, device=device, dtype="float32"
+    )
     prompts = ["The capital of France is", "1, 2, 3,"]
     eager = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
     counters.clear()
     generator.compile_decode_step()
     compiled = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]  # the whole step, compiled
+    assert counters["inductor"]["cudagraph_skips"] == 0  # on CUDA, replayed as a CUDA graph
     assert [c["generation"] for c in compiled] == [e["generation"] for e in eager]
     for c, e in zip(compiled, eager):
         assert max(abs(a - b) for a, b in zip(c["logprobs"], e["logprobs"])) < ATOL
