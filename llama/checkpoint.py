@@ -18,6 +18,7 @@ from torch import nn
 
 from llama.cpu import speed_up_for_cpu
 from llama.model import FeedForward, ModelArgs, Transformer
+from llama.parallel_layers import use_parallel_layers
 
 # fairscale's layout: column-parallel layers (and the vocab-parallel embedding) split their weight along
 # dim 0, row-parallel layers along dim 1; everything else (the norms) is replicated on every rank.
@@ -404,6 +405,7 @@ def load_model(
     weights = load_rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device)
     model.load_state_dict(weights, strict=True, assign=True)
     speed_up_for_cpu(model, device, dtype, model_args.max_batch_size)
+    use_parallel_layers(model)  # fairscale's layers (those left) for inference: the same math, less overhead
     model.init_kv_caches(device, dtype)
     return model.eval()
 

@@ -152,10 +152,9 @@ class Llama:
 
         Its shapes stay the same at every position, so one compiled graph serves them all, whatever the prompt and
         output lengths; on CUDA it is replayed as a CUDA graph, with no per-kernel launch cost. The first call for
-        each batch size compiles (tens of seconds); prompts still run through `Transformer.forward`. The model's
-        fairscale layers are swapped for `llama.parallel_layers`' (see `compiled_decode_step`). It is the same
-        math, fused and summed in another order: float32 gives the eager path's tokens (tested), while in bfloat16
-        a near tie between two tokens can go the other way, as between any two bfloat16 kernels.
+        each batch size compiles (tens of seconds); prompts still run through `Transformer.forward`. It is the
+        same math, fused and summed in another order: float32 gives the eager path's tokens (tested), while in
+        bfloat16 a near tie between two tokens can go the other way, as between any two bfloat16 kernels.
         """
         self.decode_step = compiled_decode_step(self.model)
 
@@ -475,8 +474,9 @@ class Llama:
 def compiled_decode_step(model: Transformer):
     """`model.decode_step` compiled by torch.compile, replayed as a CUDA graph on CUDA.
 
-    fairscale's layers in `model` are replaced with `llama.parallel_layers`' (the same weights and math) first:
-    with theirs, the step would not compile to one graph.
+    fairscale's layers left in `model` (as after `llama.parallel_layers.unpack_layers`) are replaced with
+    `llama.parallel_layers`' (the same weights and math) first: with theirs, the step would not compile to one
+    graph.
     """
     use_parallel_layers(model)
     options = {

@@ -8,6 +8,10 @@ its loop over the layers, torch.compile runs that loop eagerly and compiles each
 graphs (and CUDA graphs), with Python between them. These layers skip the sum in one process, and in a compiled
 graph of several processes run it as a functional all-reduce, which the graph includes: the decode step
 compiles to a single graph.
+
+`load_model` uses them on every device (on CPU the linear layers are their subclass `llama.cpu.CPULinear`). In
+eager decoding they also skip the cost of fairscale's autograd.Functions: about 220 calls of 4 to 8 us per token
+for Llama 3 8B in one process, some 1.5 ms, which on a GPU is several percent of an eager step.
 """
 
 import fairscale.nn.model_parallel.initialize as fs_init
@@ -60,7 +64,7 @@ class ParallelLinear(InferenceLayer):
         # split outputs.
         if isinstance(self.plain, RowParallelLinear):
             return sum_over_model_parallel_group(y)
-        if self.plain.gather_output:
+        if self.plain.gather_output and fs_init.get_model_parallel_world_size() > 1:
             return gather_from_model_parallel_region(y)
         return y
 

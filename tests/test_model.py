@@ -30,7 +30,7 @@ from llama.model import (
     apply_rotary_emb,
     precompute_freqs_cis,
 )
-from llama.parallel_layers import ParallelLinear, unpack_layers
+from llama.parallel_layers import ParallelEmbedding, ParallelLinear, unpack_layers, use_parallel_layers
 
 transformers = pytest.importorskip("transformers")
 
@@ -629,6 +629,23 @@ def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_gr
 
     # The packed copies are dropped from copies of the model (they cannot be copied), and remade there.
     assert torch.equal(steps(copy.deepcopy(packed)), steps(plain))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parallel_layers_compute_what_fairscale_layers_do(process_group, tmp_path, dtype):
+    """The layers a loaded model runs on (`llama.parallel_layers`, as on a GPU) give fairscale's logits bit for bit,
+    under the same state-dict keys."""
+    weights = random_weights(GQA_PARAMS, seed=17)
+    model = load_tiny(tmp_path / "ckpt", weights, dtype)
+    assert isinstance(model.tok_embeddings, ParallelEmbedding)
+    unpack_layers(model)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(9))
+    expected = incremental_logits(model, tokens, [6, 1, 1, 1, 1])
+    keys = model.state_dict().keys()
+    use_parallel_layers(model)
+    assert isinstance(model.layers[1].attention.wo, ParallelLinear)
+    assert model.state_dict().keys() == keys
+    assert torch.equal(incremental_logits(model, tokens, [6, 1, 1, 1, 1]), expected)
 
 
 def test_no_packed_copies_without_memory_for_them(process_group, tmp_path, monkeypatch):
