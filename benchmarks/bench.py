@@ -12,7 +12,7 @@ thread count, each in a fresh process (so peak memory is that library's alone):
 - prefill tokens/s for one prompt; for llama also the reference algorithm: Meta's code on the same weights,
   with logits for every position, `F.linear` for the linear layers and attention computed step by step;
 - decode tokens/s at batch 1 and 8 (greedy, no stop tokens, prefill time subtracted; with --compile, through
-  the compiled decode step, its compilation left out as the best of three runs);
+  the compiled decode step, compiled during an untimed warm-up of each batch size);
 - peak memory (max RSS on CPU, max allocated on CUDA).
 The decode roofline is the measured memory bandwidth (a large read) divided by the bytes one decode step
 must read at batch 1 (every weight except the embedding table, of which only one row per token is read).
@@ -119,9 +119,10 @@ def measure_decode(generate, steps: int, device: str) -> dict:
     first token, which comes from the prompt's forward, is subtracted. Peak memory is taken before the first
     bandwidth read, whose 1 GiB would count in it. Each batch size first decodes a few tokens untimed: a compiled
     step compiles, runs once and is recorded as a CUDA graph then, and the packed weights are made."""
+    for bsz in (8, 1):
+        generate(bsz, 4)
 
     def rate(bsz, repeats):
-        generate(bsz, 4)
         first = timed(lambda: generate(bsz, 1), device, repeats)
         return bsz * steps / (timed(lambda: generate(bsz, steps + 1), device, repeats) - first)
 
