@@ -58,31 +58,38 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def make_checkpoints(shape: str, root: Path, tokenizer_path: str):
-    """A Meta checkpoint (random bf16 weights) and its Hugging Face conversion; reused when present."""
+def meta_checkpoint(shape: str, root: Path, tokenizer_path: str, device: str) -> Path:
+    """A Meta checkpoint of random bf16 weights, drawn on `device`; reused when present."""
     import shutil
 
     import torch
 
     from llama.checkpoint import write_meta_checkpoint
-    from llama.convert import meta_to_hf
     from llama.demo import random_weights
 
-    meta, hf = root / f"{shape}-meta", root / f"{shape}-hf"
+    meta = root / f"{shape}-meta"
     if not (meta / "params.json").is_file():
         params = dict(norm_eps=1e-5, rope_theta=500000.0, **SHAPES[shape])
         tied = params.pop("tied", False)
         log(f"writing a random {shape} checkpoint to {meta}")
-        weights = random_weights(params, seed=0, dtype=torch.bfloat16)
+        weights = random_weights(params, seed=0, dtype=torch.bfloat16, device=device)
         if tied:
             del weights["output.weight"]
         write_meta_checkpoint(meta, params, weights)
         del weights
         shutil.copy(tokenizer_path, meta / "tokenizer.model")
+    return meta
+
+
+def hf_checkpoint(meta: Path) -> Path:
+    """The Hugging Face conversion of a Meta checkpoint, beside it; reused when present."""
+    from llama.convert import meta_to_hf
+
+    hf = meta.with_name(meta.name.replace("-meta", "-hf"))
     if not (hf / "config.json").is_file():
         log(f"converting it to a Hugging Face folder at {hf}")
         meta_to_hf(meta, hf)
-    return meta, hf
+    return hf
 
 
 def read_seconds(folder: Path) -> float:
@@ -211,7 +218,12 @@ def worker_llama(args) -> dict:
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     generator = Llama.build(
-        str(args.meta), max_seq_len=1024, max_batch_size=8, device=args.device, dtype=args.dtype, compile=args.compile
+        str(args.checkpoint),
+        max_seq_len=1024,
+        max_batch_size=8,
+        device=args.device,
+        dtype=args.dtype,
+        compile=args.compile,
     )
     sync(args.device)
     result = {"load_s": time.perf_counter() - start}
@@ -251,7 +263,7 @@ def worker_transformers(args) -> dict:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     start = time.perf_counter()
     model = transformers.LlamaForCausalLM.from_pretrained(
-        args.hf, dtype=dtype, attn_implementation="eager"
+        args.checkpoint, dtype=dtype, attn_implementation="eager"
     ).to(args.device).eval()
     sync(args.device)
     result = {"load_s": time.perf_counter() - start}
@@ -272,9 +284,9 @@ def worker_transformers(args) -> dict:
     return result
 
 
-def run_worker(library: str, meta: Path, hf: Path, shape: str, dtype: str, opts) -> dict:
+def run_worker(library: str, checkpoint: Path, shape: str, dtype: str, opts) -> dict:
     command = [
-        sys.executable, __file__, "--worker", library, "--meta", str(meta), "--hf", str(hf), "--dtype", dtype,
+        sys.executable, __file__, "--worker", library, "--checkpoint", str(checkpoint), "--dtype", dtype,
         "--device", opts.device, "--threads", str(opts.threads),
         "--prefill_len", str(SETTINGS[shape]["prefill_len"]), "--decode_steps", str(SETTINGS[shape]["decode_steps"]),
     ] + (["--compile"] if opts.compile else [])
@@ -297,8 +309,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="llama decodes with Llama.build(compile=True)")
     # Internal: one measurement in a fresh process.
     parser.add_argument("--worker", choices=["llama", "transformers"], help=argparse.SUPPRESS)
-    parser.add_argument("--meta", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--hf", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--prefill_len", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--decode_steps", type=int, help=argparse.SUPPRESS)
@@ -313,14 +324,19 @@ def main() -> None:
     opts.workdir.mkdir(parents=True, exist_ok=True)
     rows = []
     for shape in opts.shapes:
-        meta, hf = make_checkpoints(shape, opts.workdir, tokenizer_path)
-        read_s = {"llama": read_seconds(meta), "transformers": read_seconds(hf)}
+        # The Hugging Face conversion is made after llama's first measurement, which a run cut short then has.
+        checkpoints = {"llama": meta_checkpoint(shape, opts.workdir, tokenizer_path, opts.device)}
+        read_s = {"llama": read_seconds(checkpoints["llama"])}
         for dtype in opts.dtypes:
             results = {}
             for library in ("llama", "transformers"):
+                if library not in checkpoints:
+                    checkpoints[library] = hf_checkpoint(checkpoints["llama"])
+                    read_s[library] = read_seconds(checkpoints[library])
                 log(f"{shape} {dtype}: {library} ...")
-                results[library] = run_worker(library, meta, hf, shape, dtype, opts)
-                log(f"{shape} {dtype}: {library}: {json.dumps(results[library])}")
+                results[library] = run_worker(library, checkpoints[library], shape, dtype, opts)
+                share = roofline_share(results[library]["decode_b1_runs"], results["llama"]["step_bytes"])
+                log(f"{shape} {dtype}: {library}: {json.dumps(results[library])}; b1 roofline reached: {share:.0%}")
             rows.append(dict(shape=shape, dtype=dtype, read_s=read_s, **results))
     print_table(rows)
     if opts.json:
