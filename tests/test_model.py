@@ -704,6 +704,24 @@ def test_compiled_decoding_keeps_greedy_tokens(tiny_checkpoint, tokenizer_path, 
     assert counters["stats"]["unique_graphs"] == 0  # the same compiled step, not compiled again
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_decodes_the_tokens_of_the_cpu(tiny_checkpoint, tokenizer_path, process_group):
+    """The eager path on a GPU (the reference's device) gives the float32 tokens and logprobs of the CPU path,
+    which the other tests check against the reference math."""
+    from llama import Llama
+
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    completions = {}
+    for device in ("cpu", "cuda"):
+        generator = Llama.build(
+            str(tiny_checkpoint), tokenizer_path, max_seq_len=48, max_batch_size=2, device=device, dtype="float32"
+        )
+        completions[device] = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
+    assert [c["generation"] for c in completions["cuda"]] == [c["generation"] for c in completions["cpu"]]
+    for on_gpu, on_cpu in zip(completions["cuda"], completions["cpu"]):
+        assert max(abs(a - b) for a, b in zip(on_gpu["logprobs"], on_cpu["logprobs"])) < ATOL
+
+
 def test_compiled_step_is_one_graph_with_fairscale_layers(process_group, tmp_path):
     """On a GPU the model keeps fairscale's layers, whose all-reduce torch.compile cannot trace: compiling swaps in
     `llama.parallel_layers`, so the step is still one graph (one CUDA graph), with the same weights and logits."""
