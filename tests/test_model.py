@@ -680,6 +680,13 @@ def test_decode_step_gives_the_logits_of_forward_and_ignores_stale_cache(process
     assert (got - expected).abs().max() < ATOL
 
 
+def assert_same_completions(got, expected):
+    """The same text_completion texts, and logprobs apart by float32 rounding only."""
+    assert [c["generation"] for c in got] == [c["generation"] for c in expected]
+    for a, b in zip(got, expected):
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < ATOL
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_compiled_decoding_keeps_greedy_tokens(tiny_checkpoint, tokenizer_path, process_group, device):
     """Llama.build(compile=True) decodes through torch.compile (on CUDA, CUDA graphs); float32 tokens stay those of
@@ -696,9 +703,7 @@ def test_compiled_decoding_keeps_greedy_tokens(tiny_checkpoint, tokenizer_path, 
     compiled = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]  # the whole step, compiled
     assert counters["inductor"]["cudagraph_skips"] == 0  # on CUDA, replayed as a CUDA graph
-    assert [c["generation"] for c in compiled] == [e["generation"] for e in eager]
-    for c, e in zip(compiled, eager):
-        assert max(abs(a - b) for a, b in zip(c["logprobs"], e["logprobs"])) < ATOL
+    assert_same_completions(compiled, eager)
     counters.clear()
     generator.text_completion(["Prompts of other lengths", "and another length of output"], max_gen_len=9)
     assert counters["stats"]["unique_graphs"] == 0  # the same compiled step, not compiled again
@@ -717,9 +722,7 @@ def test_cuda_decodes_the_tokens_of_the_cpu(tiny_checkpoint, tokenizer_path, pro
             str(tiny_checkpoint), tokenizer_path, max_seq_len=48, max_batch_size=2, device=device, dtype="float32"
         )
         completions[device] = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
-    assert [c["generation"] for c in completions["cuda"]] == [c["generation"] for c in completions["cpu"]]
-    for on_gpu, on_cpu in zip(completions["cuda"], completions["cpu"]):
-        assert max(abs(a - b) for a, b in zip(on_gpu["logprobs"], on_cpu["logprobs"])) < ATOL
+    assert_same_completions(completions["cuda"], completions["cpu"])
 
 
 def test_compiled_step_is_one_graph_with_fairscale_layers(process_group, tmp_path):
