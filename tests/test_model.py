@@ -726,10 +726,10 @@ def test_cuda_decodes_the_tokens_of_the_cpu(tiny_checkpoint, tokenizer_path, pro
 
 
 def test_compiled_step_is_one_graph_with_fairscale_layers(process_group, tmp_path):
-    """On a GPU the model keeps fairscale's layers, whose all-reduce torch.compile cannot trace: compiling swaps in
-    `llama.parallel_layers`, so the step is still one graph (one CUDA graph), with the same weights and logits."""
+    """A model put back on fairscale's layers (whose all-reduce torch.compile cannot trace) still compiles to one
+    graph (one CUDA graph): compiling swaps in `llama.parallel_layers`, with the same weights and logits."""
     model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=16), torch.float32)
-    unpack_layers(model)  # fairscale's layers, as loaded on a GPU
+    unpack_layers(model)  # fairscale's layers, as in Meta's code
     weights = model.state_dict()
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(8))
     expected = static_steps(model.decode_step, model, tokens, prompt_len=6)
