@@ -1,6 +1,5 @@
-# Copyright (c) Meta Platforms, Inc. and affiliates.
-# This software may be used and distributed in accordance with the terms of the Llama 3 Community License Agreement.
-
+import os
+import sys
 from typing import List, Optional
 
 import fire
@@ -23,22 +22,36 @@ def main(
     interactive: bool = False,
     system_prompt: Optional[str] = None,
 ):
+    """Answers four sample dialogs with a chat-tuned (Instruct) Llama, or chats in the terminal.
+
+    Each dialog is a list of messages that ends with the user's turn; it may start with a system message
+    that sets how the assistant should reply. Chat models end their reply themselves with `<|eot_id|>`, so
+    `max_gen_len` can be left unset. Run it with python, or with torchrun and one process per
+    model-parallel shard of the checkpoint, e.g.
+    `torchrun --nproc_per_node 1 example_chat_completion.py --ckpt_dir Meta-Llama-3-8B-Instruct/`.
+
+    Args:
+        ckpt_dir: Checkpoint folder, Meta's layout (params.json, consolidated.NN.pth) or Hugging Face's
+            (config.json, model*.safetensors).
+        tokenizer_path: The tokenizer.model file; by default it is looked for in ckpt_dir and ckpt_dir/original.
+        temperature: Sampling temperature: lower is more predictable, 0 always takes the most likely token.
+        top_p: Nucleus sampling: each token is drawn from the fewest most likely tokens whose probabilities
+            add up to top_p.
+        max_seq_len: Tokens of dialog plus reply that the KV cache holds; at most the model's context
+            length, 8192 for Llama 3 and 131072 for Llama 3.1 and later.
+        max_batch_size: Most dialogs run together; the four sample dialogs need at least 4.
+        max_gen_len: Most tokens per reply; by default a reply may fill what is left of max_seq_len.
+        device: "cuda", "cuda:N", "cpu" or "mps"; by default CUDA if there is a GPU, else the CPU.
+        dtype: "bfloat16", "float16" or "float32"; by default bfloat16 on CUDA and float32 on the CPU.
+        compile: Decode with torch.compile (plus CUDA graphs on CUDA); the first steps are slow while it
+            compiles, so it pays off on CUDA for longer runs.
+        interactive: Skip the sample dialogs and chat with the model in the terminal.
+        system_prompt: With --interactive, a system message that opens the conversation.
     """
-    Examples to run with the models finetuned for chat. Prompts correspond of chat
-    turns between the user and assistant with the final one always being the user.
+    if int(os.environ.get("RANK", "0")) > 0:
+        # Every rank computes the same replies; only the first one prints them.
+        sys.stdout = open(os.devnull, "w")
 
-    An optional system prompt at the beginning to control how the model should respond
-    is also supported.
-
-    The context window of llama3 models is 8192 tokens, so `max_seq_len` needs to be <= 8192.
-
-    `max_gen_len` is optional because finetuned models are able to stop generations naturally.
-    `device` is "cuda", "cuda:N", "cpu" or "mps" (default: CUDA when available), `dtype` is
-    "bfloat16", "float16" or "float32" (default: bfloat16 on CUDA, float32 on CPU).
-    `--compile` decodes through torch.compile and CUDA graphs (worth it on CUDA; the first steps compile).
-
-    With `--interactive`, chat in the terminal instead (optionally with `--system_prompt`).
-    """
     generator = Llama.build(
         ckpt_dir=ckpt_dir,
         tokenizer_path=tokenizer_path,
@@ -53,32 +66,28 @@ def main(
         return
 
     dialogs: List[Dialog] = [
-        [{"role": "user", "content": "what is the recipe of mayonnaise?"}],
+        [{"role": "user", "content": "How do I keep a bunch of fresh basil from wilting?"}],
         [
-            {"role": "user", "content": "I am going to Paris, what should I see?"},
+            {"role": "user", "content": "I just bought my first guitar. What should I practise first?"},
             {
                 "role": "assistant",
-                "content": """\
-Paris, the capital of France, is known for its stunning architecture, art museums, historical landmarks, and romantic atmosphere. Here are some of the top attractions to see in Paris:
-
-1. The Eiffel Tower: The iconic Eiffel Tower is one of the most recognizable landmarks in the world and offers breathtaking views of the city.
-2. The Louvre Museum: The Louvre is one of the world's largest and most famous museums, housing an impressive collection of art and artifacts, including the Mona Lisa.
-3. Notre-Dame Cathedral: This beautiful cathedral is one of the most famous landmarks in Paris and is known for its Gothic architecture and stunning stained glass windows.
-
-These are just a few of the many attractions that Paris has to offer. With so much to see and do, it's no wonder that Paris is one of the most popular tourist destinations in the world.""",  # noqa: E501
+                "content": (
+                    "Congratulations on the new guitar! Start every session by tuning it, so that your ear "
+                    "learns what in tune sounds like. Then learn a handful of open chords (E minor, A minor, C, "
+                    "G and D cover a great many songs) and move between two of them slowly until each change "
+                    "is clean. Finally, strum along with a metronome at a slow tempo, and speed up only once "
+                    "every change lands on the beat. Fifteen minutes a day does more than one long session a week."
+                ),
             },
-            {"role": "user", "content": "What is so great about #1?"},
+            {"role": "user", "content": "Why does practising with a metronome matter so much?"},
         ],
         [
-            {"role": "system", "content": "Always answer with Haiku"},
-            {"role": "user", "content": "I am going to Paris, what should I see?"},
+            {"role": "system", "content": "Reply only in limericks."},
+            {"role": "user", "content": "What should I pack for a weekend of camping in the mountains?"},
         ],
         [
-            {
-                "role": "system",
-                "content": "Always answer with emojis",
-            },
-            {"role": "user", "content": "How to go from Beijing to NY?"},
+            {"role": "system", "content": "Answer the way a ship's captain from an old sea story would talk."},
+            {"role": "user", "content": "Why does the Moon change shape over a month?"},
         ],
     ]
     results = generator.chat_completion(

@@ -1,6 +1,5 @@
-# Copyright (c) Meta Platforms, Inc. and affiliates.
-# This software may be used and distributed in accordance with the terms of the Llama 3 Community License Agreement.
-
+import os
+import sys
 from typing import List, Optional
 
 import fire
@@ -20,16 +19,33 @@ def main(
     dtype: Optional[str] = None,
     compile: bool = False,
 ):
-    """
-    Examples to run with the pretrained models (no fine-tuning). Prompts are
-    usually in the form of an incomplete text prefix that the model can then try to complete.
+    """Continues four prompts with a pretrained (not chat-tuned) Llama and prints each with its continuation.
 
-    The context window of llama3 models is 8192 tokens, so `max_seq_len` needs to be <= 8192.
-    `max_gen_len` is needed because pre-trained models usually do not stop completions naturally.
-    `device` is "cuda", "cuda:N", "cpu" or "mps" (default: CUDA when available), `dtype` is
-    "bfloat16", "float16" or "float32" (default: bfloat16 on CUDA, float32 on CPU).
-    `--compile` decodes through torch.compile and CUDA graphs (worth it on CUDA; the first steps compile).
+    A base model just carries on the text it is given, so every prompt below is the opening of a text for it
+    to finish. It seldom decides on its own that a text is over, which is why generation is capped by
+    `max_gen_len`. Run it with python, or with torchrun and one process per model-parallel shard of the
+    checkpoint, e.g. `torchrun --nproc_per_node 1 example_text_completion.py --ckpt_dir Meta-Llama-3-8B/`.
+
+    Args:
+        ckpt_dir: Checkpoint folder, Meta's layout (params.json, consolidated.NN.pth) or Hugging Face's
+            (config.json, model*.safetensors).
+        tokenizer_path: The tokenizer.model file; by default it is looked for in ckpt_dir and ckpt_dir/original.
+        temperature: Sampling temperature: lower is more predictable, 0 always takes the most likely token.
+        top_p: Nucleus sampling: each token is drawn from the fewest most likely tokens whose probabilities
+            add up to top_p.
+        max_seq_len: Tokens of prompt plus continuation that the KV cache holds; at most the model's context
+            length, 8192 for Llama 3 and 131072 for Llama 3.1 and later.
+        max_gen_len: Most new tokens per prompt.
+        max_batch_size: Most prompts run together; the four prompts here need at least 4.
+        device: "cuda", "cuda:N", "cpu" or "mps"; by default CUDA if there is a GPU, else the CPU.
+        dtype: "bfloat16", "float16" or "float32"; by default bfloat16 on CUDA and float32 on the CPU.
+        compile: Decode with torch.compile (plus CUDA graphs on CUDA); the first steps are slow while it
+            compiles, so it pays off on CUDA for longer runs.
     """
+    if int(os.environ.get("RANK", "0")) > 0:
+        # Every rank computes the same completions; only the first one prints them.
+        sys.stdout = open(os.devnull, "w")
+
     generator = Llama.build(
         ckpt_dir=ckpt_dir,
         tokenizer_path=tokenizer_path,
@@ -41,21 +57,16 @@ def main(
     )
 
     prompts: List[str] = [
-        # For these prompts, the expected answer is the natural continuation of the prompt
-        "I believe the meaning of life is",
-        "Simply put, the theory of relativity states that ",
-        """A brief message congratulating the team on the launch:
-
-        Hi everyone,
-
-        I just """,
-        # Few shot prompt (providing a few examples before asking model to complete more);
-        """Translate English to French:
-
-        sea otter => loutre de mer
-        peppermint => menthe poivrée
-        plush girafe => girafe peluche
-        cheese =>""",
+        # Plain openings: the model should simply carry on writing.
+        "The best thing about walking home in the rain is",
+        "In a nutshell, a rainbow forms because sunlight ",
+        "A short note thanking a neighbour for watering the plants:\n\nDear Mrs. Alvarez,\n\nThank you so much for ",
+        # Few-shot: three worked pairs set the pattern, the fourth is left for the model to fill in.
+        "English words and their German equivalents:\n\n"
+        "lighthouse => Leuchtturm\n"
+        "strawberry jam => Erdbeermarmelade\n"
+        "snowy owl => Schneeeule\n"
+        "bread =>",
     ]
     results = generator.text_completion(
         prompts,

@@ -1,14 +1,12 @@
-# Copyright (c) Meta Platforms, Inc. and affiliates.
-# This software may be used and distributed in accordance with the terms of the Llama 3 Community License Agreement.
-
 import binascii
-import os
+import re
 from collections.abc import Collection, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from logging import getLogger
 from pathlib import Path
 from typing import Literal, TypedDict
 
+import blobfile
 import tiktoken
 
 logger = getLogger(__name__)
@@ -24,6 +22,8 @@ class Message(TypedDict):
 Dialog = Sequence[Message]
 
 SUPPORTED_VERSIONS = ("3", "3.1")
+# Maximal runs of whitespace, or of anything else; see Tokenizer._split_whitespaces_or_nonwhitespaces.
+_RUNS = re.compile(r"\s+|\S+")
 # Chat roles each version accepts; "ipython" (tool output) arrived with Llama 3.1.
 _ROLES = {"3": ("system", "user", "assistant"), "3.1": ("system", "user", "assistant", "ipython")}
 
@@ -74,8 +74,14 @@ def load_bpe_ranks(path: str) -> dict[bytes, int]:
     What `tiktoken.load.load_tiktoken_bpe` returns, read from `path` itself: tiktoken keeps a copy of every
     file it loads in the temp folder, keyed by its path, and reads that copy thereafter, so a file replaced in
     place would be ignored. Parsed as one split rather than line by line, which is about 2x faster.
+
+    The bytes come through `blobfile`, so `path` may be local or a blobfile URL (`gs://...`, `az://...`).
+
+    Raises:
+        FileNotFoundError: If nothing exists at `path`.
+        ValueError: If the file is not in the format above.
     """
-    data = Path(path).read_bytes()
+    data = blobfile.read_bytes(path)
     fields, lines = data.split(), data.splitlines()
     try:
         if len(fields) != 2 * (len(lines) - lines.count(b"")):
@@ -88,7 +94,7 @@ def load_bpe_ranks(path: str) -> dict[bytes, int]:
 
 
 class Tokenizer:
-    """Tokenizes and encodes/decodes text using the tiktoken BPE of Llama 3."""
+    """Llama 3's byte-level BPE (run by tiktoken) plus the special tokens of the chosen Llama version."""
 
     special_tokens: dict[str, int]
 
@@ -100,18 +106,25 @@ class Tokenizer:
         """Loads the BPE ranks and sets up the special tokens.
 
         Args:
-            model_path (str): Path to the tiktoken model file (`tokenizer.model`).
+            model_path (str): The `tokenizer.model` shipped with the weights, as a local path or a blobfile
+                URL (`gs://...`, `az://...`). It is read anew on every call, never from a cache.
             version (str): "3" for the Llama 3 special-token names, "3.1" for those of Llama 3.1 and
                 later (same IDs, some renamed, plus `<|eom_id|>` as a stop token and the `ipython` role).
 
         Raises:
-            ValueError: If `version` is not one of the supported versions.
-            FileNotFoundError: If `model_path` is not a file.
+            ValueError: If `version` is not one of the supported versions, if `model_path` is a folder, or
+                if the file is not a tiktoken BPE file.
+            FileNotFoundError: If nothing exists at `model_path`.
         """
         if version not in SUPPORTED_VERSIONS:
             raise ValueError(f"Unsupported tokenizer version {version!r}; use one of {SUPPORTED_VERSIONS}")
-        if not os.path.isfile(model_path):
+        if not blobfile.exists(model_path):
             raise FileNotFoundError(f"Tokenizer model file not found: {model_path}")
+        if blobfile.isdir(model_path):
+            raise ValueError(
+                f"Tokenizer path {model_path} is a folder; pass the tokenizer.model file inside it "
+                f"(e.g. {blobfile.join(model_path, 'tokenizer.model')})"
+            )
         self.version = version
 
         mergeable_ranks = load_bpe_ranks(model_path)
@@ -124,7 +137,6 @@ class Tokenizer:
             mergeable_ranks=mergeable_ranks,
             special_tokens=self.special_tokens,
         )
-        logger.info(f"Reloaded tiktoken model from {model_path}")
 
         self.n_words: int = self.model.n_vocab
         self.bos_id: int = self.special_tokens["<|begin_of_text|>"]
@@ -135,7 +147,10 @@ class Tokenizer:
         self.stop_tokens = {self.eos_id, self.eot_id}
         if self.eom_id is not None:
             self.stop_tokens.add(self.eom_id)
-        logger.info(f"#words: {self.n_words} - BOS ID: {self.bos_id} - EOS ID: {self.eos_id}")
+        logger.info(
+            f"Tokenizer {model_path} (Llama {version}): {self.n_words} tokens, "
+            f"bos_id={self.bos_id}, eos_id={self.eos_id}, stop tokens {sorted(self.stop_tokens)}"
+        )
 
     def encode(
         self,
@@ -146,21 +161,21 @@ class Tokenizer:
         allowed_special: Literal["all"] | AbstractSet[str] = set(),
         disallowed_special: Literal["all"] | Collection[str] = (),
     ) -> list[int]:
-        """Encodes a string into a list of token IDs.
+        """Turns text into token IDs, optionally framed by `bos_id` and `eos_id`.
 
         With the default `allowed_special` and `disallowed_special`, text that looks like a special token
         (for example "<|eot_id|>") is encoded as ordinary text, never as the control token.
 
         Args:
-            s (str): The string to encode.
-            bos (bool): Whether to prepend the beginning-of-text token.
-            eos (bool): Whether to append the end-of-text token.
+            s (str): Text to tokenize; any length.
+            bos (bool): Put `<|begin_of_text|>` before the text's tokens.
+            eos (bool): Put `<|end_of_text|>` after them.
             allowed_special ("all" or set of str): Special tokens that may appear as such in `s`.
             disallowed_special ("all" or collection of str): Special tokens whose text in `s` raises an
                 error instead of being encoded as ordinary text.
 
         Returns:
-            list[int]: The token IDs.
+            list[int]: `s`'s IDs, with the markers asked for around them.
 
         Raises:
             TypeError: If `s` is not a str.
@@ -168,10 +183,11 @@ class Tokenizer:
         if not isinstance(s, str):
             raise TypeError(f"Tokenizer.encode expects a str, got {type(s).__name__}")
 
-        # tiktoken handles up to about 400k characters per call without a pyo3_runtime.PanicException.
+        # Long text goes to tiktoken in pieces of this many characters: its Rust core can panic
+        # (pyo3_runtime.PanicException) when handed much more in one call.
         TIKTOKEN_MAX_ENCODE_CHARS = 400_000
-        # tiktoken can also fail on very long runs of whitespace or of non-whitespace characters
-        # (https://github.com/openai/tiktoken/issues/195), so each piece is cut inside such runs too.
+        # Pieces are cut again inside any longer unbroken run of whitespace or of non-whitespace, which can
+        # make tiktoken fail as well (https://github.com/openai/tiktoken/issues/195). No token spans a cut.
         MAX_NO_WHITESPACES_CHARS = 25_000
 
         substrs = (
@@ -193,52 +209,53 @@ class Tokenizer:
         return t
 
     def decode(self, t: Sequence[int]) -> str:
-        """Decodes token IDs into a string, special tokens included.
+        """Turns token IDs back into text; special tokens come out as their names (e.g. "<|eot_id|>").
 
         Bytes that do not form valid UTF-8 (for example a token sequence cut inside a multi-byte
         character) become U+FFFD replacement characters.
 
         Args:
-            t (Sequence[int]): The token IDs.
+            t (Sequence[int]): IDs from `encode` or from the model.
 
         Returns:
-            str: The decoded text.
+            str: What the tokens spell.
         """
         return self.model.decode(list(t))
 
     def decode_bytes(self, t: Sequence[int]) -> bytes:
-        """Decodes token IDs into raw bytes, without UTF-8 decoding.
+        """Like `decode`, but returns the tokens' bytes as they are, with no UTF-8 decoding.
 
         Useful when streaming: bytes of a character split across tokens can be held back until complete.
 
         Args:
-            t (Sequence[int]): The token IDs.
+            t (Sequence[int]): IDs from `encode` or from the model.
 
         Returns:
-            bytes: The concatenated bytes of the tokens.
+            bytes: Each token's bytes, one after the other.
         """
         return self.model.decode_bytes(list(t))
 
     @staticmethod
     def _split_whitespaces_or_nonwhitespaces(s: str, max_consecutive_slice_len: int) -> Iterator[str]:
-        """Splits `s` so that no slice holds more than `max_consecutive_slice_len` consecutive whitespace,
-        or consecutive non-whitespace, characters."""
-        current_slice_len = 0
-        current_slice_is_space = s[0].isspace() if len(s) > 0 else False
-        slice_start = 0
+        """Cuts `s` into consecutive slices for tiktoken, none with a run longer than `max_consecutive_slice_len`.
 
-        for i in range(len(s)):
-            is_now_space = s[i].isspace()
-            if current_slice_is_space ^ is_now_space:
-                current_slice_len = 1
-                current_slice_is_space = is_now_space
-            else:
-                current_slice_len += 1
-                if current_slice_len > max_consecutive_slice_len:
-                    yield s[slice_start:i]
-                    slice_start = i
-                    current_slice_len = 1
-        yield s[slice_start:]
+        `s` is read as alternating runs of whitespace and of other characters (`str.isspace`; the regex `\\s`
+        matches exactly those characters). A run longer than the limit is cut every
+        `max_consecutive_slice_len` characters counted from the run's first character; nothing else is cut.
+        The slices joined give `s` back; an empty `s` gives one empty slice.
+
+        Raises:
+            ValueError: If `max_consecutive_slice_len` is less than 1 (no slice could honour it).
+        """
+        step = max_consecutive_slice_len
+        if step < 1:
+            raise ValueError(f"max_consecutive_slice_len must be at least 1, got {step}")
+        piece_start = 0
+        for run in _RUNS.finditer(s):
+            for cut in range(run.start() + step, run.end(), step):
+                yield s[piece_start:cut]
+                piece_start = cut
+        yield s[piece_start:]
 
 
 class ChatFormat:
@@ -292,8 +309,8 @@ class ChatFormat:
         return tokens
 
     def encode_dialog_prompt(self, dialog: Dialog) -> list[int]:
-        """Encodes a dialog as a prompt: `<|begin_of_text|>`, every message, then an open assistant header
-        for the model to complete.
+        """Encodes a dialog as a prompt: `<|begin_of_text|>`, every message, then an assistant header with
+        no content after it, so that what the model generates next is the assistant's reply.
 
         Args:
             dialog (Dialog): The messages, in order.
