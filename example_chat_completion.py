@@ -1,26 +1,25 @@
 import os
 import sys
-from typing import List, Optional
+from typing import List
 
-import fire
-
-from llama import Dialog, Llama
+from llama import Dialog, Llama, cli
 from llama.chat import run_chat
+from llama.decoding import check_sampling
 
 
 def main(
     ckpt_dir: str,
-    tokenizer_path: Optional[str] = None,
+    tokenizer_path: str = None,
     temperature: float = 0.6,
     top_p: float = 0.9,
     max_seq_len: int = 512,
     max_batch_size: int = 4,
-    max_gen_len: Optional[int] = None,
-    device: Optional[str] = None,
-    dtype: Optional[str] = None,
+    max_gen_len: int = None,
+    device: str = None,
+    dtype: str = None,
     compile: bool = False,
     interactive: bool = False,
-    system_prompt: Optional[str] = None,
+    system_prompt: str = None,
 ):
     """Answers four sample dialogs with a chat-tuned (Instruct) Llama, or chats in the terminal.
 
@@ -48,6 +47,7 @@ def main(
         interactive: Skip the sample dialogs and chat with the model in the terminal.
         system_prompt: With --interactive, a system message that opens the conversation.
     """
+    check_sampling(temperature, top_p, max_gen_len)  # before the minutes a load can take
     if int(os.environ.get("RANK", "0")) > 0:
         # Every rank computes the same replies; only the first one prints them.
         sys.stdout = open(os.devnull, "w")
@@ -105,4 +105,4 @@ def main(
 
 
 if __name__ == "__main__":
-    fire.Fire(main)
+    cli.run(main)

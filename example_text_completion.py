@@ -1,22 +1,21 @@
 import os
 import sys
-from typing import List, Optional
+from typing import List
 
-import fire
-
-from llama import Llama
+from llama import Llama, cli
+from llama.decoding import check_sampling
 
 
 def main(
     ckpt_dir: str,
-    tokenizer_path: Optional[str] = None,
+    tokenizer_path: str = None,
     temperature: float = 0.6,
     top_p: float = 0.9,
     max_seq_len: int = 128,
     max_gen_len: int = 64,
     max_batch_size: int = 4,
-    device: Optional[str] = None,
-    dtype: Optional[str] = None,
+    device: str = None,
+    dtype: str = None,
     compile: bool = False,
 ):
     """Continues four prompts with a pretrained (not chat-tuned) Llama and prints each with its continuation.
@@ -42,6 +41,7 @@ def main(
         compile: Decode with torch.compile (plus CUDA graphs on CUDA); the first steps are slow while it
             compiles, so it pays off on CUDA for longer runs.
     """
+    check_sampling(temperature, top_p, max_gen_len)  # before the minutes a load can take
     if int(os.environ.get("RANK", "0")) > 0:
         # Every rank computes the same completions; only the first one prints them.
         sys.stdout = open(os.devnull, "w")
@@ -81,4 +81,4 @@ def main(
 
 
 if __name__ == "__main__":
-    fire.Fire(main)
+    cli.run(main)

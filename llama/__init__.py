@@ -1,6 +1,6 @@
-# Copyright (c) Meta Platforms, Inc. and affiliates.
-# This software may be used and distributed in accordance with the terms of the Llama 3 Community License Agreement.
+"""llama: Meta's Llama 3 inference API (`Llama.build`, `text_completion`, `chat_completion`), reimplemented."""
 
+from .decoding import StopReason, StreamChunk
 from .generation import ChatPrediction, CompletionPrediction, Llama
 from .model import ModelArgs, Transformer
 from .tokenizer import ChatFormat, Dialog, Message, Role, Tokenizer
@@ -14,6 +14,8 @@ __all__ = [
     "Message",
     "ModelArgs",
     "Role",
+    "StopReason",
+    "StreamChunk",
     "Tokenizer",
     "Transformer",
 ]

@@ -1,14 +1,18 @@
 """An interactive terminal chat with streamed answers, on top of `Llama.chat_completion_stream`.
 
-Commands: `/reset` clears the history (keeping the system prompt), `/exit` (or end of input) quits. Ctrl-C
-stops the current answer and keeps the session. Under torchrun, rank 0 reads the input and broadcasts it,
-and every rank generates in step.
+Commands: `/help` lists them, `/reset` clears the history (keeping the system prompt), `/exit` (or end of input)
+quits. Ctrl-C stops the current answer and keeps the session. Under torchrun, rank 0 reads the input and
+broadcasts it, and every rank generates in step; there Ctrl-C reaches every process (and torchrun, which then
+stops them all), so it ends the chat at once.
 """
 
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Callable, List, Optional, TextIO
+from typing import Callable, Iterator, List, Optional, TextIO
 
 import torch.distributed as dist
 
@@ -17,6 +21,31 @@ from llama.tokenizer import Message
 
 # Waiting for a person to type is not a fault: the input broadcast gets its own, patient process group.
 INPUT_TIMEOUT = timedelta(days=7)
+
+COMMANDS = {
+    "/help": "list these commands",
+    "/reset": "clear the history (the system prompt stays)",
+    "/exit": "quit (so does end of input, Ctrl-D)",
+}
+ENDED_BY_CTRL_C = "[Ctrl-C under torchrun: torchrun stops every process, so the chat ends here]"
+
+
+def several_processes() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+@contextmanager
+def ctrl_c_interrupts() -> Iterator[None]:
+    """Ctrl-C raises KeyboardInterrupt inside, however the process was started: a shell that runs it in the
+    background, or under `trap "" INT`, starts Python with SIGINT ignored."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class ChatSession:
@@ -77,6 +106,9 @@ class ChatSession:
                 n_tokens = chunk.n_tokens
                 print(chunk.text, end="", file=self.out, flush=True)
         except KeyboardInterrupt:
+            if several_processes():
+                print(f"\n{ENDED_BY_CTRL_C}", file=self.out, flush=True)
+                raise SystemExit(130) from None
             print("\n[stopped]", end="", file=self.out)
         elapsed = time.time() - start
         answer = "".join(pieces)
@@ -96,6 +128,9 @@ def read_line(prompt: str, input_fn: Callable[[str], str], group) -> str:
         except KeyboardInterrupt:
             print()
             line[0] = ""
+            if several_processes():  # the others are waiting for this line: tell them to end too
+                print(ENDED_BY_CTRL_C)
+                line[0] = "/exit"
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(line, src=0, group=group)
     return line[0]
@@ -114,16 +149,20 @@ def run_chat(
     out = out or sys.stdout
     group = dist.new_group(backend="gloo", timeout=INPUT_TIMEOUT) if dist.get_world_size() > 1 else None
     session = ChatSession(generator, system_prompt, temperature, top_p, max_gen_len, out)
-    print("Chat with the model. Commands: /reset clears the history, /exit quits; Ctrl-C stops an answer.", file=out)
-    while True:
-        line = read_line("User: ", input_fn, group)
-        if line == "/exit":
-            break
-        if line == "/reset":
-            session.reset()
-            print("[history cleared]", file=out)
-        elif line:
-            try:
-                session.send(line)
-            except ValueError as e:
-                print(f"[{e}]", file=out)
+    print("Chat with the model. Commands: /help lists them, /reset clears the history, /exit quits.", file=out)
+    with ctrl_c_interrupts():
+        while True:
+            line = read_line("User: ", input_fn, group)
+            if line == "/exit":
+                break
+            if line == "/help":
+                print("\n".join(f"  {name:8} {what}" for name, what in COMMANDS.items()), file=out)
+                print("  Ctrl-C   stop the answer being written", file=out)
+            elif line == "/reset":
+                session.reset()
+                print("[history cleared]", file=out)
+            elif line:
+                try:
+                    session.send(line)
+                except ValueError as e:
+                    print(f"[{e}]", file=out)

@@ -6,19 +6,27 @@ whatever the number of shards on disk: that is how an 8-shard 70B runs on 2 GPUs
 """
 
 import json
+import logging
+import pickle
 import re
 import shutil
+import time
 from contextlib import contextmanager
 from dataclasses import fields
+from datetime import timedelta
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple, Union
 
+import blobfile
+import fairscale.nn.model_parallel.initialize as fs_init
 import torch
-from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from llama.cpu import speed_up_for_cpu
+from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
 from llama.model import FeedForward, ModelArgs, Transformer
-from llama.parallel_layers import use_parallel_layers
+from llama.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 # fairscale's layout: column-parallel layers (and the vocab-parallel embedding) split their weight along
 # dim 0, row-parallel layers along dim 1; everything else (the norms) is replicated on every rank.
@@ -31,6 +39,56 @@ LLAMA3_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origina
 
 HF_CONFIG = "config.json"
 META_PARAMS = "params.json"
+
+# The kind of value each configuration field holds ("int", "number", "bool"), and whether it may be null; every
+# number must be positive. Checked when the file is read, so that a bad value is named there, not deep in torch.
+PARAMS_FIELDS = {
+    "dim": ("int", False),
+    "n_layers": ("int", False),
+    "n_heads": ("int", False),
+    "n_kv_heads": ("int", True),
+    "vocab_size": ("int", False),
+    "multiple_of": ("int", False),
+    "ffn_dim_multiplier": ("number", True),
+    "norm_eps": ("number", False),
+    "rope_theta": ("number", False),
+    "use_scaled_rope": ("bool", False),
+    "rope_scaling_factor": ("number", True),
+}
+PARAMS_REQUIRED = ("dim", "n_layers", "n_heads", "vocab_size")
+HF_CONFIG_FIELDS = {
+    "hidden_size": ("int", False),
+    "num_hidden_layers": ("int", False),
+    "num_attention_heads": ("int", False),
+    "num_key_value_heads": ("int", True),
+    "head_dim": ("int", True),
+    "vocab_size": ("int", False),
+    "intermediate_size": ("int", False),
+    "rms_norm_eps": ("number", False),
+    "rope_theta": ("number", False),
+    "tie_word_embeddings": ("bool", True),
+}
+HF_CONFIG_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+
+
+def check_fields(config, kinds: Dict[str, Tuple[str, bool]], required: Tuple[str, ...], path) -> None:
+    """Raise a ValueError naming `path` and the field, for a configuration without the `required` fields, or with
+    a field of `kinds` whose value is of another kind or not positive."""
+    missing = [name for name in required if name not in config]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}; is it the file that came with the checkpoint?")
+    for name, (kind, nullable) in kinds.items():
+        if name not in config or (nullable and config[name] is None):
+            continue
+        value = config[name]
+        if kind == "bool":
+            ok = isinstance(value, bool)
+        else:
+            allowed = int if kind == "int" else (int, float)
+            ok = isinstance(value, allowed) and not isinstance(value, bool) and value > 0
+        if not ok:
+            wanted = {"int": "a positive integer", "number": "a positive number", "bool": "true or false"}[kind]
+            raise ValueError(f"{path}: {name} must be {wanted}{' or null' if nullable else ''}, got {value!r}")
 
 
 def split_dim(key: str) -> Optional[int]:
@@ -45,20 +103,24 @@ def split_dim(key: str) -> Optional[int]:
 
 def model_parallel_sizes_that_work(params: ModelArgs, upto: int = 64) -> List[int]:
     """Model-parallel sizes that divide every sharded dimension (heads, kv heads, FFN width, vocab)."""
-    n_kv_heads = params.n_kv_heads or params.n_heads
-    hidden = FeedForward.hidden_size(4 * params.dim, params.multiple_of, params.ffn_dim_multiplier)
-    sizes = (params.n_heads, n_kv_heads, hidden, params.vocab_size)
+    sizes = (params.n_heads, params.kv_heads, params.ffn_hidden_dim, params.vocab_size)
     return [m for m in range(1, upto + 1) if all(s % m == 0 for s in sizes)]
 
 
-def check_model_parallel_size(params: ModelArgs, model_parallel_size: int, n_shards: Optional[int] = None) -> None:
+def check_model_parallel_size(
+    params: ModelArgs,
+    model_parallel_size: int,
+    n_shards: Optional[int] = None,
+    setting: str = "--nproc_per_node (or model_parallel_size)",
+) -> None:
+    """Raise a ValueError, telling which `setting` to change, when the model cannot be split that many ways."""
     if model_parallel_size not in model_parallel_sizes_that_work(params, upto=max(model_parallel_size, 64)):
         on_disk = f" (its checkpoint has {n_shards} shard{'s' if n_shards != 1 else ''})" if n_shards else ""
         raise ValueError(
             f"This model{on_disk} cannot be split over {model_parallel_size} model-parallel processes "
-            f"(n_heads={params.n_heads}, n_kv_heads={params.n_kv_heads or params.n_heads}, "
+            f"(n_heads={params.n_heads}, n_kv_heads={params.kv_heads}, "
             f"vocab_size={params.vocab_size}). Sizes that work: {model_parallel_sizes_that_work(params)}. "
-            "Change --nproc_per_node (or model_parallel_size) to one of them."
+            f"Change {setting} to one of them."
         )
 
 
@@ -96,11 +158,11 @@ class MetaCheckpoint(CheckpointReader):
     def __init__(self, ckpt_dir: Path):
         self.ckpt_dir = ckpt_dir
         self.params = read_json(ckpt_dir / META_PARAMS)
+        check_fields(self.params, PARAMS_FIELDS, PARAMS_REQUIRED, ckpt_dir / META_PARAMS)
         self.files = sorted(ckpt_dir.glob("*.pth"))
         if not self.files:
             raise FileNotFoundError(f"No checkpoint files (*.pth) found in {ckpt_dir}; expected consolidated.00.pth")
-        # mmap: nothing is read until a slice of a tensor is used.
-        self.shards = [torch.load(f, map_location="cpu", weights_only=True, mmap=True) for f in self.files]
+        self.shards = [load_shard(f) for f in self.files]
         self.shapes = {}
         first = self.shards[0]
         for path, shard in zip(self.files[1:], self.shards[1:]):
@@ -126,6 +188,8 @@ class MetaCheckpoint(CheckpointReader):
     def source(self, key: str) -> str:
         return ", ".join(f.name for f in self.files)
 
+
+
     def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None, dtype=None):
         if dim is None:
             return self.shards[0][key]
@@ -142,6 +206,22 @@ class MetaCheckpoint(CheckpointReader):
         shape = list(pieces[0].shape)
         shape[dim] = length
         return torch.cat(pieces, dim=dim, out=torch.empty(shape, dtype=dtype or pieces[0].dtype))
+
+
+def load_shard(path: Path) -> Dict[str, torch.Tensor]:
+    """A consolidated.NN.pth file's tensors, mmap-ed (nothing is read until a slice is used), or a ValueError
+    naming the file when it is not a complete PyTorch checkpoint."""
+    try:
+        shard = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        reason = str(e).split(". ")[0].splitlines()[0] if str(e) else type(e).__name__  # torch's first sentence
+        raise ValueError(
+            f"{path} is not a readable PyTorch checkpoint ({reason}): it is truncated, damaged or of another format. "
+            "Download it again."
+        ) from e
+    if not isinstance(shard, dict) or not all(isinstance(t, torch.Tensor) for t in shard.values()):
+        raise ValueError(f"{path} holds {type(shard).__name__}, not a dict of tensors; it is not a Llama checkpoint")
+    return shard
 
 
 # Hugging Face name -> Meta name. Layer index is kept; q and k also need their rows un-permuted (see below).
@@ -189,6 +269,7 @@ def permute_for_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+# hf_config_to_params and hf_config translate between the two formats' configurations, one the inverse of the other.
 def hf_config_to_params(config: dict, path: Path) -> dict:
     """Meta params.json fields for a Hugging Face LlamaForCausalLM config.json."""
     architectures = config.get("architectures") or []
@@ -197,6 +278,7 @@ def hf_config_to_params(config: dict, path: Path) -> dict:
             f"{path} describes {architectures or config.get('model_type')}, not a Llama model "
             "(expected architectures ['LlamaForCausalLM']); only Llama checkpoints can be loaded"
         )
+    check_fields(config, HF_CONFIG_FIELDS, HF_CONFIG_REQUIRED, path)
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or dim // n_heads
     if head_dim * n_heads != dim:
@@ -208,7 +290,8 @@ def hf_config_to_params(config: dict, path: Path) -> dict:
     hidden = config["intermediate_size"]
     base = int(2 * 4 * dim / 3)
     multiplier = None if base <= hidden else hidden / base
-    assert FeedForward.hidden_size(4 * dim, hidden, multiplier) == hidden
+    if FeedForward.hidden_size(4 * dim, hidden, multiplier) != hidden:  # float rounding of hidden / base
+        raise ValueError(f"{path}: intermediate_size {hidden} cannot be expressed as a Llama 3 FFN width")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     params = {
@@ -234,31 +317,66 @@ def hf_config_to_params(config: dict, path: Path) -> dict:
     return params
 
 
+def hf_config(params: dict, dtype: torch.dtype) -> dict:
+    """A transformers LlamaForCausalLM config.json for Meta params.json fields."""
+    args, _ = model_args_from(params)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.context_len,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": bool(params.get("tie_word_embeddings", False)),
+        "bos_token_id": 128000,  # <|begin_of_text|>
+        "eos_token_id": 128001,  # <|end_of_text|>
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if args.use_scaled_rope:
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": args.rope_scaling_factor or 8.0,
+            **LLAMA3_ROPE_SCALING,
+        }
+    return config
+
+
 class HuggingFaceCheckpoint(CheckpointReader):
     """A Hugging Face LlamaForCausalLM folder: config.json plus model*.safetensors (maybe with an index)."""
 
     format = "hf"
 
     def __init__(self, ckpt_dir: Path):
-        from safetensors import safe_open
-
         self.ckpt_dir = ckpt_dir
         self.config = read_json(ckpt_dir / HF_CONFIG)
         self.params = hf_config_to_params(self.config, ckpt_dir / HF_CONFIG)
+        self.head_dim = model_args_from(self.params)[0].head_dim
         index_path = ckpt_dir / "model.safetensors.index.json"
         if index_path.is_file():
-            weight_map = read_json(index_path)["weight_map"]
+            weight_map = read_json(index_path).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError(f"{index_path} has no weight_map of tensor names to file names")
             files = sorted(set(weight_map.values()))
             for name in files:
+                key = next(k for k, v in weight_map.items() if v == name)
+                inside_folder(ckpt_dir, name, f"{index_path.name} entry {key!r}")
                 if not (ckpt_dir / name).is_file():
-                    key = next(k for k, v in weight_map.items() if v == name)
                     raise FileNotFoundError(f"{ckpt_dir / name} is missing; {index_path.name} lists it for {key}")
         else:
             files = sorted(p.name for p in ckpt_dir.glob("model*.safetensors"))
         if not files:
             raise FileNotFoundError(f"No model*.safetensors files found in {ckpt_dir}")
         self.files = {}  # Meta key -> (file name, HF name)
-        self.handles = {name: safe_open(ckpt_dir / name, framework="pt", device="cpu") for name in files}
+        self.handles = {name: open_safetensors(ckpt_dir / name) for name in files}
         self.shapes, unknown = {}, []
         for file_name, handle in self.handles.items():
             for hf_name in handle.keys():
@@ -288,23 +406,50 @@ class HuggingFaceCheckpoint(CheckpointReader):
         tensor = tensor_slice[start : start + length] if dim == 0 else tensor_slice[:, start : start + length]
         module = key.split(".")[-2]
         if module in ("wq", "wk"):  # rows are whole heads, so each head can be un-permuted on its own
-            head_dim = self.params["dim"] // self.params["n_heads"]
-            tensor = permute_for_interleaved(tensor, tensor.shape[0] // head_dim)
+            tensor = permute_for_interleaved(tensor, tensor.shape[0] // self.head_dim)
         return tensor
 
 
-def read_json(path: Path) -> dict:
-    if not path.is_file():
+def inside_folder(folder: Path, name: str, what: str) -> None:
+    """Raise a ValueError naming `what` when the file `name` lies outside `folder`: an absolute path, a ".." or a
+    linked subfolder that leads elsewhere. A checkpoint is read only from its own folder. The file itself may be a
+    symbolic link, as Hugging Face's cache makes them (each file of a snapshot links to a shared blob)."""
+    escapes = Path(name).is_absolute() or ".." in Path(name).parts
+    if escapes or not (folder / name).parent.resolve().is_relative_to(folder.resolve()):
+        raise ValueError(f"{what} points at {name}, outside the checkpoint folder {folder}; refusing to read it")
+
+
+def open_safetensors(path: Path):
+    """A lazy safetensors handle, or a ValueError naming the file when it is not a complete safetensors file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(path, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({e}): it is truncated, damaged or of another format. "
+            "Download it again."
+        ) from e
+
+
+def read_json(path: Union[str, Path]) -> dict:
+    """A JSON object from a file, read through blobfile: a local path or a blobfile URL (gs://, az://)."""
+    if not blobfile.exists(str(path)):
         raise FileNotFoundError(f"{path} not found")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(blobfile.read_text(str(path)))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a JSON {type(data).__name__}")
+    return data
 
 
 def open_checkpoint(ckpt_dir) -> CheckpointReader:
     """Open a Meta (params.json) or Hugging Face (config.json) checkpoint folder."""
     ckpt_dir = Path(ckpt_dir)
+    if ckpt_dir.is_file():
+        raise ValueError(f"{ckpt_dir} is a file; pass the folder that holds it (ckpt_dir={ckpt_dir.parent})")
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"Checkpoint directory {ckpt_dir} does not exist")
     if (ckpt_dir / META_PARAMS).is_file():
@@ -315,6 +460,21 @@ def open_checkpoint(ckpt_dir) -> CheckpointReader:
         f"{ckpt_dir} has no params.json (Meta layout) and no config.json (Hugging Face layout); "
         "point ckpt_dir at the folder that holds the checkpoint"
     )
+
+
+def find_tokenizer(ckpt_dir, tokenizer_path: Optional[str] = None) -> str:
+    """The tokenizer file: `tokenizer_path` if given, else tokenizer.model in ckpt_dir or ckpt_dir/original.
+
+    Raises:
+        FileNotFoundError: when tokenizer_path is None and neither folder holds a tokenizer.model.
+    """
+    if tokenizer_path is not None:
+        return str(tokenizer_path)  # checked as it is read
+    candidates = [blobfile.join(str(ckpt_dir), name) for name in ("tokenizer.model", "original/tokenizer.model")]
+    for candidate in candidates:
+        if blobfile.exists(candidate) and not blobfile.isdir(candidate):
+            return candidate
+    raise FileNotFoundError(f"No tokenizer.model found (looked at {', '.join(candidates)}); pass tokenizer_path")
 
 
 def model_args_from(params: dict, **overrides) -> Tuple[ModelArgs, List[str]]:
@@ -367,26 +527,19 @@ def load_rank_weights(
     return weights
 
 
-@contextmanager
-def parameters_on_meta():
-    """Create every parameter on the meta device: no memory, no initialisation.
+class AllocateOnMeta(TorchDispatchMode):
+    """Inside it, every tensor is created on the meta device: no memory, no initialisation.
 
-    fairscale allocates its weights with the legacy `torch.Tensor(rows, cols)` constructor, which ignores
-    `torch.device("meta")`, so parameters are moved to meta as they are registered instead.
+    `with torch.device("meta")` is not enough: fairscale allocates its weights with the legacy `torch.Tensor(rows,
+    cols)` constructor, which ignores it. That allocation still reaches the dispatcher as a factory op with a
+    device argument, which this mode replaces. Like every dispatch mode it is local to the thread that enters it
+    and ends with the block.
     """
-    register_parameter = nn.Module.register_parameter
 
-    def register_on_meta(module, name, param):
-        if param is not None:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register_parameter(module, name, param)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        with torch.device("meta"):
-            yield
-    finally:
-        nn.Module.register_parameter = register_parameter
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if kwargs and "device" in kwargs:
+            kwargs = {**kwargs, "device": torch.device("meta")}
+        return func(*args, **(kwargs or {}))
 
 
 def load_model(
@@ -397,24 +550,82 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
 ) -> Transformer:
-    """Build the Transformer with this rank's weights, without a throwaway random initialisation."""
+    """The Transformer with this rank's weights, as Meta's code builds it (fairscale's layers), without a throwaway
+    random initialisation: built on the meta device, then given the checkpoint's tensors, strictly."""
     check_model_parallel_size(model_args, mp_size, len(reader.files) if isinstance(reader, MetaCheckpoint) else None)
-    with parameters_on_meta():
+    with AllocateOnMeta():
         model = Transformer(model_args)
     expected_shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
     weights = load_rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device)
     model.load_state_dict(weights, strict=True, assign=True)
-    speed_up_for_cpu(model, device, dtype, model_args.max_batch_size)
-    use_parallel_layers(model)  # fairscale's layers (those left) for inference: the same math, less overhead
     model.init_kv_caches(device, dtype)
     return model.eval()
 
 
+def load_checkpoint(
+    ckpt_dir,
+    tokenizer_path: Optional[str],
+    max_seq_len: int,
+    max_batch_size: int,
+    model_parallel_size: Optional[int],
+    seed: int,
+    device: Union[str, torch.device, None],
+    dtype: Union[str, torch.dtype, None],
+    version: Optional[str],
+    timeout: timedelta,
+) -> Tuple[Transformer, Tokenizer]:
+    """The load sequence of `Llama.build` (see its docstring for the arguments): check the arguments against the
+    checkpoint, join the process group, seed, read the tokenizer and this rank's weights."""
+    if not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+    if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+    device = resolve_device(device)
+    reader = open_checkpoint(ckpt_dir)
+    tokenizer_path = find_tokenizer(ckpt_dir, tokenizer_path)
+    model_args, ignored = model_args_from(reader.params, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+    if max_seq_len > model_args.context_len:
+        raise ValueError(
+            f"max_seq_len={max_seq_len} exceeds this checkpoint's context of {model_args.context_len} tokens"
+        )
+    dtype = resolve_dtype(reader.dtype if dtype is None and reader.format == "hf" else dtype, device)
+
+    start_time = time.time()
+    model_parallel_size = init_model_parallel(device, model_parallel_size, timeout)
+    torch.manual_seed(seed)  # the same in all processes: they must sample the same tokens
+    logger.info("Loading a %s checkpoint from %s", "Meta" if reader.format == "meta" else "Hugging Face", ckpt_dir)
+    if ignored:
+        logger.warning("Ignoring unknown checkpoint parameters: %s", ignored)
+
+    tokenizer = Tokenizer(tokenizer_path, version=version or ("3.1" if model_args.use_scaled_rope else "3"))
+    if model_args.vocab_size != tokenizer.n_words:
+        raise ValueError(
+            f"The checkpoint's vocab_size ({model_args.vocab_size}) differs from the tokenizer's "
+            f"({tokenizer.n_words} tokens in {tokenizer_path}); use the tokenizer.model that came with it"
+        )
+    check_kv_cache_fits(model_args, model_parallel_size, device, dtype)
+    model = load_model(reader, model_args, fs_init.get_model_parallel_rank(), model_parallel_size, device, dtype)
+    if global_rank() == 0:  # the reference prints this line; other processes load the same way, silently
+        print(f"Loaded in {time.time() - start_time:.2f} seconds")
+    return model, tokenizer
+
+
+def check_kv_cache_fits(args: ModelArgs, mp_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise a ValueError, before anything is allocated, when this process's KV cache cannot fit on `device`."""
+    elements = 2 * args.n_layers * args.max_batch_size * args.max_seq_len * (args.kv_heads // mp_size) * args.head_dim
+    needed = elements * torch.empty(0, dtype=dtype).element_size()
+    free = free_memory(device)
+    if free is not None and needed > free:
+        raise ValueError(
+            f"The KV cache for max_seq_len={args.max_seq_len} and max_batch_size={args.max_batch_size} needs "
+            f"{needed / 2**30:.1f} GiB on {device}, which has {free / 2**30:.1f} GiB free; lower max_batch_size or "
+            "max_seq_len (--max_batch_size, --max_seq_len in the examples)"
+        )
+
+
 def full_shapes(args: ModelArgs) -> Dict[str, Tuple[int, ...]]:
     """The unsharded shape of every tensor of a Meta checkpoint for `args`, in Meta's key order."""
-    head_dim = args.dim // args.n_heads
-    n_kv_heads = args.n_kv_heads or args.n_heads
-    hidden = FeedForward.hidden_size(4 * args.dim, args.multiple_of, args.ffn_dim_multiplier)
+    head_dim, n_kv_heads, hidden = args.head_dim, args.kv_heads, args.ffn_hidden_dim
     shapes = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
     for i in range(args.n_layers):
         shapes.update(
@@ -463,6 +674,16 @@ def write_meta_checkpoint(out_dir, params: dict, tensors: Dict[str, torch.Tensor
             shard = {}
             for key, tensor in tensors.items():
                 dim = split_dim(key)
-                # clone: torch.save would otherwise write each slice's whole underlying storage
-                shard[key] = tensor if dim is None else tensor.chunk(n_shards, dim=dim)[rank].clone()
-            torch.save(shard, tmp_dir / f"consolidated.{rank:02d}.pth")
+                shard[key] = tensor if dim is None else tensor.chunk(n_shards, dim=dim)[rank]
+            save_shard(shard, tmp_dir / f"consolidated.{rank:02d}.pth")
+
+
+def save_shard(shard: Dict[str, torch.Tensor], path: Path) -> None:
+    """torch.save of exactly these tensors' bytes: a tensor that is a slice of a larger one is copied first, since
+    torch.save writes the whole storage a tensor views."""
+    owned = {}
+    for key, tensor in shard.items():
+        if tensor.untyped_storage().nbytes() != tensor.nbytes or not tensor.is_contiguous():
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        owned[key] = tensor
+    torch.save(owned, path)

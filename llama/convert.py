@@ -18,51 +18,17 @@ import torch
 from safetensors.torch import save_file
 
 from llama.checkpoint import (
-    LLAMA3_ROPE_SCALING,
     atomic_output_dir,
     check_model_parallel_size,
+    find_tokenizer,
+    hf_config,
     meta_to_hf_name,
     model_args_from,
     open_checkpoint,
     permute_for_rotate_half,
+    save_shard,
 )
-from llama.model import FeedForward
-
-SAFETENSORS_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-
-def hf_config(params: dict, dtype: torch.dtype) -> dict:
-    """A transformers LlamaForCausalLM config.json for Meta params.json fields."""
-    args, _ = model_args_from(params)
-    n_kv_heads = args.n_kv_heads or args.n_heads
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": FeedForward.hidden_size(4 * args.dim, args.multiple_of, args.ffn_dim_multiplier),
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": n_kv_heads,
-        "head_dim": args.dim // args.n_heads,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "max_position_embeddings": 131072 if args.use_scaled_rope else 8192,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": bool(params.get("tie_word_embeddings", False)),
-        "bos_token_id": 128000,  # <|begin_of_text|>
-        "eos_token_id": 128001,  # <|end_of_text|>
-        "torch_dtype": SAFETENSORS_DTYPES[dtype],
-    }
-    if args.use_scaled_rope:
-        config["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": args.rope_scaling_factor or 8.0,
-            **LLAMA3_ROPE_SCALING,
-        }
-    return config
+from llama.cli import user_errors
 
 
 def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -83,12 +49,13 @@ def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> No
             for key in keys:
                 tensor = read_full(reader, key)
                 if key.endswith(("attention.wq.weight", "attention.wk.weight")):
-                    n_heads = tensor.shape[0] // (args.dim // args.n_heads)
-                    tensor = permute_for_rotate_half(tensor, n_heads)
+                    tensor = permute_for_rotate_half(tensor, tensor.shape[0] // args.head_dim)
                 tensors[meta_to_hf_name(key)] = tensor.contiguous()
                 weight_map[meta_to_hf_name(key)] = file_name
                 total_bytes += tensor.numel() * tensor.element_size()
             save_file(tensors, tmp_dir / file_name, metadata={"format": "pt"})
+            # safetensors creates its files readable by their owner only; give them config.json's permissions.
+            shutil.copymode(tmp_dir / "config.json", tmp_dir / file_name)
             print(f"[{index + 1}/{len(groups)}] wrote {file_name} ({len(keys)} tensors)", flush=True)
         index_json = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (tmp_dir / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
@@ -101,15 +68,13 @@ def hf_to_meta(src: Path, out_dir: Path, model_parallel_size: int = 1) -> None:
     if reader.format != "hf":
         raise ValueError(f"{src} is not a Hugging Face checkpoint (no config.json); did you mean `to-hf`?")
     args, _ = model_args_from(reader.params)
-    check_model_parallel_size(args, model_parallel_size)
+    check_model_parallel_size(args, model_parallel_size, setting="--model_parallel_size")
     params = {k: v for k, v in reader.params.items() if k != "tie_word_embeddings"}
     with atomic_output_dir(out_dir) as tmp_dir:
         (tmp_dir / "params.json").write_text(json.dumps(params, indent=2) + "\n")
         for rank in range(model_parallel_size):
-            shard = {}
-            for key in reader.shapes:
-                shard[key] = reader.read_shard(key, rank, model_parallel_size).contiguous()
-            torch.save(shard, tmp_dir / f"consolidated.{rank:02d}.pth")
+            shard = {key: reader.read_shard(key, rank, model_parallel_size) for key in reader.shapes}
+            save_shard(shard, tmp_dir / f"consolidated.{rank:02d}.pth")
             print(f"[{rank + 1}/{model_parallel_size}] wrote consolidated.{rank:02d}.pth", flush=True)
             del shard
         copy_tokenizer(src, tmp_dir)
@@ -135,10 +100,11 @@ def group_by_size(shapes: Dict[str, torch.Size], dtype: torch.dtype, max_bytes: 
 
 
 def copy_tokenizer(src: Path, out_dir: Path) -> Optional[Path]:
-    for candidate in (src / "tokenizer.model", src / "original" / "tokenizer.model"):
-        if candidate.is_file():
-            return Path(shutil.copy(candidate, out_dir / "tokenizer.model"))
-    return None
+    """Copy the checkpoint's tokenizer.model along, if it has one."""
+    try:
+        return Path(shutil.copy(find_tokenizer(src), out_dir / "tokenizer.model"))
+    except FileNotFoundError:
+        return None
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -154,10 +120,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     to_meta.add_argument("--model_parallel_size", type=int, default=1, help="consolidated.NN.pth shards to write")
     args = parser.parse_args(argv)
     start = time.time()
-    if args.direction == "to-hf":
-        meta_to_hf(args.src, args.out_dir, int(args.max_shard_gb * 2**30))
-    else:
-        hf_to_meta(args.src, args.out_dir, args.model_parallel_size)
+    with user_errors(["max_shard_gb", "model_parallel_size"]):
+        if args.direction == "to-hf":
+            meta_to_hf(args.src, args.out_dir, int(args.max_shard_gb * 2**30))
+        else:
+            hf_to_meta(args.src, args.out_dir, args.model_parallel_size)
     print(f"Converted {args.src} to {args.out_dir} in {time.time() - start:.1f} seconds")
 
 

@@ -4,13 +4,12 @@ It keeps the reference math; only the order in which products are summed changes
 1e-4 of the reference math in float32 and greedy tokens equal. Figures: `benchmarks/bench.py`.
 """
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from llama.distributed import available_memory
 from llama.parallel_layers import ParallelLinear, replace_layers
 
 
@@ -22,6 +21,13 @@ def onednn_supported(device: torch.device) -> bool:
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
+
+
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN has bfloat16 kernels for this CPU (AVX-512 or AVX-NE-CONVERT); without them it cannot pack
+    bfloat16 weights, and AVX2 machines lack them."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return check is not None and check()
 
 
 class CPULinear(ParallelLinear):
@@ -40,6 +46,8 @@ class CPULinear(ParallelLinear):
     """
 
     def __init__(self, layer: nn.Module, pack_weights: bool = False):
+        if pack_weights and not onednn_bf16_supported():
+            raise ValueError("pack_weights needs oneDNN's bfloat16 kernels, which this CPU lacks (no AVX-512)")
         super().__init__(layer)
         self.pack_weights = pack_weights
         self.packed = None  # (weight, its version when packed, the packed copy)
@@ -49,9 +57,8 @@ class CPULinear(ParallelLinear):
             return F.linear(x, self.weight)
         if self.weight.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        if x.numel() == x.shape[-1]:  # one row
-            with onednn_disabled():
-                return F.linear(x, self.weight)
+        if x.numel() == x.shape[-1]:  # one row: PyTorch's own matrix-vector product, what F.linear runs without oneDNN
+            return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
         if self.pack_weights:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), None, "none", [], "")
         return F.linear(x, self.weight)
@@ -72,41 +79,28 @@ class CPULinear(ParallelLinear):
         return {**super().__getstate__(), "packed": None}
 
 
-@contextmanager
-def onednn_disabled():
-    """PyTorch's own kernels in place of oneDNN's; the user's setting is restored afterwards."""
-    enabled = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = enabled
-
-
 def use_cpu_linear_layers(model: nn.Module, pack_weights: bool = False) -> None:
     """Replace every fairscale linear layer in `model` with a `CPULinear`, in place."""
     replace_layers(model, (ColumnParallelLinear, RowParallelLinear), lambda layer: CPULinear(layer, pack_weights))
 
 
-def speed_up_for_cpu(model: nn.Module, device: torch.device, dtype: torch.dtype, max_batch_size: int) -> None:
-    """Apply this module's speed-ups to a loaded `Transformer`, where this torch build supports them.
+def speed_up_for_cpu(model: nn.Module) -> None:
+    """Apply this module's speed-ups to a loaded `Transformer` (model-parallel layers still fairscale's), where it
+    runs on the CPU in float32 or bfloat16 and this torch build supports them.
 
-    In bfloat16, inputs of several rows get packed weights (for 1B here: decode steps of 8 sequences 1.5-1.9x
-    faster, a prompt of 17 tokens 1.45x, of 256 tokens 2-3%) when the model may see batches and a second copy
-    of its weights fits in half the memory the system has available now.
+    In bfloat16, inputs of several rows get packed weights (for 1B on an AVX-512 machine: decode steps of 8
+    sequences 1.5-1.9x faster, a prompt of 17 tokens 1.45x, of 256 tokens 2-3%) when the CPU has oneDNN's bfloat16
+    kernels, the model may see batches, and a second copy of its weights fits in half the memory the system has
+    available now.
     """
-    if not onednn_supported(device) or dtype not in (torch.float32, torch.bfloat16):
+    weight = model.tok_embeddings.weight
+    if not onednn_supported(weight.device) or weight.dtype not in (torch.float32, torch.bfloat16):
         return
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    pack = dtype == torch.bfloat16 and max_batch_size > 1 and 2 * weight_bytes <= available_memory()
+    pack = (
+        weight.dtype == torch.bfloat16
+        and onednn_bf16_supported()
+        and model.params.max_batch_size > 1
+        and 2 * weight_bytes <= available_memory()
+    )
     use_cpu_linear_layers(model, pack_weights=pack)
-
-
-def available_memory() -> int:
-    """Bytes the system can hand out without swapping: Linux's MemAvailable, which counts reclaimable page cache
-    such as mmap-ed checkpoint pages; 0 where it is not known, so that nothing extra is allocated there."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return 0

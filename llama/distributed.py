@@ -2,10 +2,11 @@
 
 torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; the device index comes from the local rank (the GPU on this
 node) and the checkpoint slice from the model-parallel rank. Without torchrun, a one-process group is made.
+Every process computes the same tokens; the library prints from global rank 0 only, and leaves the other ranks'
+stdout alone (the example scripts silence it).
 """
 
 import os
-import sys
 from datetime import timedelta
 from typing import Optional, Union
 
@@ -118,6 +119,23 @@ def init_model_parallel(device: torch.device, model_parallel_size: Optional[int]
             f"Model parallelism is already set up with size {fs_init.get_model_parallel_world_size()}, "
             f"not {model_parallel_size}"
         )
-    if global_rank() > 0:  # only the first process prints, as in the reference
-        sys.stdout = open(os.devnull, "w")
     return model_parallel_size
+
+
+def available_memory() -> int:
+    """Bytes the system can hand out without swapping: Linux's MemAvailable, which counts reclaimable page cache
+    such as mmap-ed checkpoint pages; 0 where it is not known, so that nothing extra is allocated there."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def free_memory(device: torch.device) -> Optional[int]:
+    """Bytes that can still be allocated on `device`, or None where that is not known."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        return available_memory() or None
+    return None

@@ -1,9 +1,11 @@
-# Copyright (c) Meta Platforms, Inc. and affiliates.
-# This software may be used and distributed in accordance with the terms of the Llama 3 Community License Agreement.
+"""The Llama 3 architecture: a decoder-only transformer with RMSNorm, rotary position embeddings (RoPE),
+grouped-query attention over a KV cache, and a SwiGLU feed-forward, split over model-parallel processes with
+fairscale's layers. Module names are the checkpoint's keys, so a Meta state dict loads as it is.
+"""
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
@@ -15,15 +17,19 @@ from fairscale.nn.model_parallel.layers import (
 )
 from torch import nn
 
+# Longest context, in tokens: Llama 3's, and that of Llama 3.1 and later, whose RoPE is scaled for it.
+LLAMA3_CONTEXT = 8192
+SCALED_ROPE_CONTEXT = 131072
+
 
 @dataclass
 class ModelArgs:
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
-    n_kv_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None  # None: one kv head per query head
     vocab_size: int = -1
-    multiple_of: int = 256  # make SwiGLU hidden layer size multiple of large power of 2
+    multiple_of: int = 256  # the SwiGLU width is rounded up to a multiple of this
     ffn_dim_multiplier: Optional[float] = None
     norm_eps: float = 1e-5
     rope_theta: float = 500000
@@ -34,13 +40,31 @@ class ModelArgs:
     max_seq_len: int = 2048
 
     def __post_init__(self):
-        n_kv_heads = self.n_kv_heads or self.n_heads
         if self.dim % self.n_heads:
             raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
-        if self.n_heads % n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.kv_heads})")
         if self.rope_scaling_factor is not None and not self.use_scaled_rope:
             raise ValueError("rope_scaling_factor is set but use_scaled_rope is not; set use_scaled_rope: true")
+
+    # Values derived from the fields, computed here only.
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """`n_kv_heads`, with None read as `n_heads`."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        return FeedForward.hidden_size(4 * self.dim, self.multiple_of, self.ffn_dim_multiplier)
+
+    @property
+    def context_len(self) -> int:
+        """The most positions the checkpoint was trained for: the upper bound of `max_seq_len`."""
+        return SCALED_ROPE_CONTEXT if self.use_scaled_rope else LLAMA3_CONTEXT
 
 
 class RMSNorm(torch.nn.Module):
@@ -61,7 +85,7 @@ def apply_scaling(freqs: torch.Tensor, scale_factor: float = 8) -> torch.Tensor:
     """Llama 3.1 RoPE scaling: divide low frequencies by `scale_factor`, keep high ones, blend in between."""
     low_freq_factor = 1
     high_freq_factor = 4
-    old_context_len = 8192  # original Llama 3 context
+    old_context_len = LLAMA3_CONTEXT
 
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
@@ -111,15 +135,50 @@ def apply_rotary_emb(
     return xq_out.type_as(xq), xk_out.type_as(xk)
 
 
+class KVCache(nn.Module):
+    """The keys and values of every position seen so far, for each sequence of the batch.
+
+    Runtime state, not weights: the buffers are left out of the state dict.
+    """
+
+    def __init__(self, max_batch_size: int, max_seq_len: int, n_kv_heads: int, head_dim: int, device=None, dtype=None):
+        super().__init__()
+        shape = (max_batch_size, max_seq_len, n_kv_heads, head_dim)
+        self.register_buffer("cache_k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("cache_v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(
+        self, start_pos: Union[int, torch.Tensor], xk: torch.Tensor, xv: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Store the keys and values of the new positions; return those of every position to attend to.
+
+        With an int `start_pos`, positions [start_pos, start_pos + seqlen) are written and the cache up to them is
+        returned. `Transformer.decode_step` passes a one-element tensor instead, so that shapes never change from
+        one step to the next (one compiled graph serves them all): that position is written and the whole cache is
+        returned, its unwritten positions left for the caller's mask to hide.
+        """
+        bsz, seqlen = xk.shape[:2]
+        self.cache_k = self.cache_k.to(xk)  # the cache follows the activations' device and dtype
+        self.cache_v = self.cache_v.to(xv)
+        if isinstance(start_pos, torch.Tensor):
+            self.cache_k[:bsz].index_copy_(1, start_pos, xk)
+            self.cache_v[:bsz].index_copy_(1, start_pos, xv)
+            return self.cache_k[:bsz], self.cache_v[:bsz]
+        end = start_pos + seqlen
+        self.cache_k[:bsz, start_pos:end] = xk
+        self.cache_v[:bsz, start_pos:end] = xv
+        return self.cache_k[:bsz, :end], self.cache_v[:bsz, :end]
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.n_kv_heads = args.n_heads if args.n_kv_heads is None else args.n_kv_heads
+        self.n_kv_heads = args.kv_heads
         model_parallel_size = fs_init.get_model_parallel_world_size()
         self.n_local_heads = args.n_heads // model_parallel_size
         self.n_local_kv_heads = self.n_kv_heads // model_parallel_size
         self.n_rep = self.n_local_heads // self.n_local_kv_heads
-        self.head_dim = args.dim // args.n_heads
+        self.head_dim = args.head_dim
 
         self.wq = ColumnParallelLinear(
             args.dim, args.n_heads * self.head_dim, bias=False, gather_output=False, init_method=lambda x: x
@@ -134,21 +193,20 @@ class Attention(nn.Module):
             args.n_heads * self.head_dim, args.dim, bias=False, input_is_parallel=True, init_method=lambda x: x
         )
 
-        self.cache_shape = (args.max_batch_size, args.max_seq_len, self.n_local_kv_heads, self.head_dim)
-        self.init_cache()
-
-    def init_cache(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
-        """(Re)allocate a zeroed KV cache; it is runtime state, so it is not part of the state dict."""
-        self.register_buffer("cache_k", torch.zeros(self.cache_shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("cache_v", torch.zeros(self.cache_shape, device=device, dtype=dtype), persistent=False)
+        self.kv_cache = KVCache(args.max_batch_size, args.max_seq_len, self.n_local_kv_heads, self.head_dim)
 
     def forward(
         self,
         x: torch.Tensor,
-        start_pos: Union[int, torch.Tensor],  # a tensor from Transformer.decode_step
+        start_pos: Union[int, torch.Tensor],  # a one-element tensor from Transformer.decode_step
         freqs_cis: torch.Tensor,
-        mask: Union[torch.Tensor, Literal["causal"], None],
+        mask: Optional[torch.Tensor],
     ):
+        """Attend from the new positions of `x` to themselves and to the cached ones.
+
+        `mask` is added to the scores, or, for a boolean mask, says which positions may be attended to. None means
+        no mask for one new position, and the causal mask for several: a prompt that starts at position 0.
+        """
         bsz, seqlen, _ = x.shape
         xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
 
@@ -157,30 +215,17 @@ class Attention(nn.Module):
         xv = xv.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
 
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
-
-        self.cache_k = self.cache_k.to(xq)
-        self.cache_v = self.cache_v.to(xq)
-
-        if isinstance(start_pos, torch.Tensor):  # Transformer.decode_step: the whole cache, whatever the position
-            self.cache_k[:bsz].index_copy_(1, start_pos, xk)
-            self.cache_v[:bsz].index_copy_(1, start_pos, xv)
-            keys, values = self.cache_k[:bsz], self.cache_v[:bsz]
-        else:
-            self.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
-            self.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
-
-            keys = self.cache_k[:bsz, : start_pos + seqlen]
-            values = self.cache_v[:bsz, : start_pos + seqlen]
+        keys, values = self.kv_cache.update(start_pos, xk, xv)
 
         xq = xq.transpose(1, 2)  # (bs, n_local_heads, seqlen, head_dim)
         keys = keys.transpose(1, 2)  # (bs, n_local_kv_heads, cache_len + seqlen, head_dim)
         values = values.transpose(1, 2)  # (bs, n_local_kv_heads, cache_len + seqlen, head_dim)
         # softmax(xq keys^T / sqrt(head_dim) + mask) values, fused: the scores are never stored whole, and each
-        # kv head serves n_rep query heads without being copied (grouped-query attention).
-        if isinstance(mask, str):  # "causal": a whole prompt from position 0, see Transformer.forward
-            output = F.scaled_dot_product_attention(xq, keys, values, is_causal=True, enable_gqa=self.n_rep > 1)
-        else:
-            output = F.scaled_dot_product_attention(xq, keys, values, attn_mask=mask, enable_gqa=self.n_rep > 1)
+        # kv head serves n_rep query heads without being copied (grouped-query attention). A prompt from position 0
+        # is masked by the kernel itself (is_causal), which skips the blocks above the diagonal.
+        output = F.scaled_dot_product_attention(
+            xq, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1, enable_gqa=self.n_rep > 1
+        )
         output = output.transpose(1, 2).contiguous().view(bsz, seqlen, -1)
         return self.wo(output)
 
@@ -204,8 +249,7 @@ class FeedForward(nn.Module):
     def hidden_size(hidden_dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float]) -> int:
         """SwiGLU width: 2/3 of `hidden_dim` (4 * dim), scaled, rounded up to a multiple of `multiple_of`."""
         hidden_dim = int(2 * hidden_dim / 3)
-        # custom dim factor multiplier
-        if ffn_dim_multiplier is not None:
+        if ffn_dim_multiplier is not None:  # 1.3 in Llama 3 8B and 70B's params.json
             hidden_dim = int(ffn_dim_multiplier * hidden_dim)
         return multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
 
@@ -218,7 +262,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.n_heads = args.n_heads
         self.dim = args.dim
-        self.head_dim = args.dim // args.n_heads
+        self.head_dim = args.head_dim
         self.attention = Attention(args)
         self.feed_forward = FeedForward(
             dim=args.dim,
@@ -235,7 +279,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         start_pos: Union[int, torch.Tensor],
         freqs_cis: torch.Tensor,
-        mask: Union[torch.Tensor, Literal["causal"], None],
+        mask: Optional[torch.Tensor],
         last_position_only: bool = False,
     ):
         attended = self.attention(self.attention_norm(x), start_pos, freqs_cis, mask)
@@ -262,12 +306,12 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(params.dim, eps=params.norm_eps)
         self.output = ColumnParallelLinear(params.dim, params.vocab_size, bias=False, init_method=lambda x: x)
 
-        self.freqs_cis = None  # the RoPE table, made on the model's device at the first forward
+        self.freqs_cis = None  # the RoPE table, made where the model runs: by init_kv_caches or the first forward
 
     def rope_table(self, device: Optional[torch.device] = None) -> torch.Tensor:
         params = self.params
         return precompute_freqs_cis(
-            params.dim // params.n_heads,
+            params.head_dim,
             params.max_seq_len * 2,
             params.rope_theta,
             params.use_scaled_rope,
@@ -276,33 +320,32 @@ class Transformer(nn.Module):
         )
 
     def init_kv_caches(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
-        """Allocate zeroed KV caches on `device` (after building on the meta device, or to start afresh)."""
-        self.freqs_cis = None
+        """Allocate zeroed KV caches and the RoPE table on `device`: after building on the meta device, or to start
+        afresh. Both `forward` and `decode_step` can run from then on."""
+        params = self.params
         for layer in self.layers:
-            layer.attention.init_cache(device, dtype)
+            attention = layer.attention
+            attention.kv_cache = KVCache(
+                params.max_batch_size, params.max_seq_len, attention.n_local_kv_heads, params.head_dim, device, dtype
+            )
+        self.freqs_cis = self.rope_table(device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, last_logits_only: bool = False):
         _bsz, seqlen = tokens.shape
         h = self.tok_embeddings(tokens)
         if self.freqs_cis is None or self.freqs_cis.device != h.device:
-            self.freqs_cis = self.rope_table(h.device)  # computed where the model runs, as in the reference
+            self.freqs_cis = self.rope_table(h.device)
         freqs_cis = self.freqs_cis[start_pos : start_pos + seqlen]
 
+        # One new position attends to the whole cache: no mask. A prompt from position 0 gets the causal mask
+        # from the attention kernel itself (mask None). Any other chunk of positions needs it written out.
         mask = None
-        if seqlen > 1 and start_pos == 0:
-            # With an empty cache the mask built below is the square causal one, which the fused attention
-            # applies by itself, skipping the blocks above the diagonal: the same output, 1.8x faster at 2k tokens.
-            mask = "causal"
-        elif seqlen > 1:
+        if seqlen > 1 and start_pos > 0:
             mask = torch.full((seqlen, seqlen), float("-inf"), device=tokens.device)
-
             mask = torch.triu(mask, diagonal=1)
-
-            # When performing key-value caching, we compute the attention scores
-            # only for the new sequence. Thus, the matrix of scores is of size
-            # (seqlen, cache_len + seqlen), and the only masked entries are (i, j) for
-            # j > cache_len + i, since row i corresponds to token cache_len + i.
+            # Row i is the token at position start_pos + i. It sees all start_pos cached positions (zeros on the
+            # left) and the new ones up to itself, so the -inf triangle sits start_pos columns to the right.
             mask = torch.hstack([torch.zeros((seqlen, start_pos), device=tokens.device), mask]).type_as(h)
 
         # Sampling needs only the next token's distribution: with last_logits_only, the last layer's feed-forward
@@ -319,7 +362,7 @@ class Transformer(nn.Module):
 
         `position` is start_pos as a one-element tensor, and attention runs over the whole cache with the
         positions after it masked out, so that one compiled step (torch.compile, CUDA graphs) serves them all.
-        The RoPE table must exist: a prompt has gone through `forward` first.
+        The RoPE table must exist: `init_kv_caches` or a first `forward` made it.
         """
         h = self.tok_embeddings(tokens)  # (bsz, 1, dim)
         freqs_cis = self.freqs_cis[position]  # (1, head_dim // 2)

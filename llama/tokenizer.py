@@ -297,8 +297,12 @@ class ChatFormat:
             list[int]: The message's token IDs.
 
         Raises:
-            ValueError: If the role is not allowed or the content is not a str.
+            ValueError: If the message has no role or content, the role is not allowed, or the content is not a
+                str.
         """
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            shown = repr(message) if len(repr(message)) <= 200 else repr(message)[:200] + "..."
+            raise ValueError(f"A message must be a dict with a 'role' and a 'content'; got {shown}")
         tokens = self.encode_header(message)
         content = message["content"]
         if not isinstance(content, str):

@@ -23,8 +23,8 @@ from llama import Llama
 PROMPTS = [
     "Hi",
     "The capital of France is",
-    "Simply put, the theory of relativity states that",
-    "Translate English to French: sea otter => loutre de mer, cheese =>",
+    "Tides rise and fall twice a day because",
+    "Count in Spanish: one => uno, two => dos, three =>",
 ]
 HANG_SECONDS = 600  # longer than any test waits: a rank that never comes back
 
@@ -69,7 +69,8 @@ def main() -> None:
     # Fewer, shorter samples: on a CPU, sorting the 128256 probabilities each step costs more than the model.
     sampled, _ = generator.generate(prompt_tokens[:2], args.max_gen_len // 2, temperature=0.6, top_p=0.9)
     for prompt, tokens in zip(PROMPTS, greedy):
-        print(f"{prompt!r} -> {generator.tokenizer.decode(tokens)!r}")  # silenced on ranks > 0
+        if rank == 0:  # every rank has the same tokens; the library leaves printing to its caller
+            print(f"{prompt!r} -> {generator.tokenizer.decode(tokens)!r}")
     weights = {
         key: hashlib.sha256(tensor.float().contiguous().numpy().tobytes()).hexdigest()
         for key, tensor in generator.model.state_dict().items()

@@ -31,6 +31,7 @@ def chat_command(checkpoint, tokenizer_path, *extra):
     ]
 
 
+@pytest.mark.slow
 def test_scripted_session_through_stdin(tiny_checkpoint, tokenizer_path):
     script = "Hello there\n/reset\n\nWhat is the capital of France?\n/exit\nnever read\n"
     result = subprocess.run(
@@ -126,6 +127,7 @@ def read_until(fd, pattern, timeout):
     raise AssertionError(f"did not see {pattern!r} within {timeout} s; got {buffer[-500:]!r}")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
 def test_ctrl_c_in_a_real_terminal(tiny_checkpoint, tokenizer_path):
     pid, fd = pty.fork()
@@ -160,9 +162,11 @@ def test_ctrl_c_in_a_real_terminal(tiny_checkpoint, tokenizer_path):
         os.close(fd)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_interactive_chat_under_torchrun_with_model_parallelism(tmp_path, tokenizer_path):
     """Rank 0 reads stdin and broadcasts; both ranks generate in step: the answers equal one process's."""
-    from conftest import make_checkpoint
+    from helpers import make_checkpoint
 
     one, two = make_checkpoint(tmp_path / "mp1", seed=4), make_checkpoint(tmp_path / "mp2", n_shards=2, seed=4)
     script = "Hello there\n/reset\nWhat now?\n/exit\n"

@@ -4,7 +4,8 @@ The reference loop decodes a padded batch with a KV cache. The checks below inst
 through `Transformer.forward(tokens, 0)` on the whole sequence so far (a full forward from position 0 rewrites
 the KV cache it reads, so it depends on nothing left over from earlier calls), then take the last position's
 argmax, softmax or log-softmax. Agreement shows that padding, the start at the shortest prompt, the
-"keep prompt tokens" rule, the KV cache, stop tokens and the output cuts all behave as SPEC.md describes.
+"keep prompt tokens" rule, the KV cache, stop tokens and the output cuts leave each sequence what it would be
+decoded alone, as in Meta's reference `Llama.generate`.
 """
 
 import copy
@@ -16,14 +17,14 @@ import pytest
 import torch
 
 from llama import Llama
-from llama.generation import sample_top_p
+from llama.decoding import sample_top_p
 
 BOS, EOS, START_HEADER, END_HEADER, EOT = 128000, 128001, 128006, 128007, 128009
 
 TEXTS = [
     "Hello",
     "The capital of France is",
-    "I believe the meaning of life is to",
+    "The best part of a long walk is",
 ]
 
 # A dialog whose content has surrounding whitespace, which the chat format strips.
@@ -101,7 +102,9 @@ def top_p_picks(model, prompt: List[int], generated: List[int], temperature: flo
 
 
 def chat_prompt(tokenizer, dialog) -> List[int]:
-    """The Llama 3 chat format as SPEC.md writes it, built by hand from the special-token IDs."""
+    """The Llama 3 chat format, built by hand from the special-token IDs: <|begin_of_text|>, then per message
+    <|start_header_id|> role <|end_header_id|> "\n\n" content-stripped-of-surrounding-whitespace <|eot_id|>,
+    then an assistant header with nothing after it."""
 
     def header(role):
         return [START_HEADER] + tokenizer.encode(role, bos=False, eos=False) + [END_HEADER] + [271]  # "\n\n"
@@ -212,7 +215,10 @@ def test_logprobs_equal_log_softmax_of_previous_position(tiny_llama, echo):
 
 @pytest.mark.parametrize("logprobs", [False, True])
 def test_prompts_that_fill_the_window_score_each_token_against_the_previous_position(tiny_llama, logprobs):
-    """SPEC "Reference bug to fix": the reference scored token t against position t's own logits here."""
+    """A known bug of Meta's reference, fixed here: when the shortest prompt already has the total length (here
+    max_gen_len 0 and prompts of one length), its `generate` scores token t against position t's own logits
+    (`-F.cross_entropy(logits.transpose(1, 2), tokens)`, not shifted by one). We score token t against position
+    t - 1's logits, as in every other case, and give the first token logprob 0."""
     g = tiny_llama
     prompts = [encode(g.tokenizer, "The capital of France is"), encode(g.tokenizer, "The capital of Spain is")]
     assert len(prompts[0]) == len(prompts[1])
@@ -343,6 +349,7 @@ def test_default_max_gen_len_fills_the_context(tiny_llama):
 # Sampling --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_seeded_builds_sample_the_same_tokens(tiny_checkpoint, tokenizer_path, process_group):
     def sample(seed):
         g = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=64, max_batch_size=4, seed=seed)

@@ -6,12 +6,12 @@ import shutil
 import pytest
 import torch
 import transformers
-from conftest import TINY_PARAMS, make_checkpoint
+from helpers import TINY_PARAMS, make_checkpoint
 
 from llama import Llama
 from llama.checkpoint import load_model, model_args_from, open_checkpoint
 from llama.convert import main as convert_main
-from llama.convert import read_full
+from llama.convert import meta_to_hf, read_full
 from llama.model import FeedForward
 
 # Non-GQA (every query head has its own kv head) next to the GQA TINY_PARAMS.
@@ -177,7 +177,7 @@ def test_interrupted_conversion_leaves_no_finished_looking_folder(folders, tmp_p
     assert not (tmp_path / "out").exists()
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(FileExistsError, match="not empty"):
-        convert_main(["to-hf", str(meta), str(meta)])
+        meta_to_hf(meta, meta)
 
 
 def test_meta_checkpoint_with_rope_freqs_converts(tmp_path, process_group):

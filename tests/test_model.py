@@ -6,21 +6,14 @@ attention and Hugging Face `transformers.LlamaForCausalLM` for the whole model. 
 weight conversion is written here too, so that a mistake in llama/checkpoint.py cannot hide one in the model.
 """
 
-import copy
 import math
-import types
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch._dynamo.utils import counters
+from helpers import ATOL, GQA_PARAMS, causal_mask, incremental_logits, reference_attention
 
-import llama.cpu
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
-from llama.cpu import CPULinear
 from llama.demo import random_weights
-from llama.generation import compiled_decode_step
 from llama.model import (
     Attention,
     FeedForward,
@@ -30,23 +23,9 @@ from llama.model import (
     apply_rotary_emb,
     precompute_freqs_cis,
 )
-from llama.parallel_layers import ParallelEmbedding, ParallelLinear, unpack_layers, use_parallel_layers
 
 transformers = pytest.importorskip("transformers")
 
-ATOL = 1e-4  # float32 logits of the same weights may differ by rounding only
-
-GQA_PARAMS = {  # 4 query heads share 2 kv heads
-    "dim": 64,
-    "n_layers": 2,
-    "n_heads": 4,
-    "n_kv_heads": 2,
-    "vocab_size": 512,
-    "multiple_of": 32,
-    "ffn_dim_multiplier": None,
-    "norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-}
 MHA_PARAMS = {  # one kv head per query head, and a width multiplier as in Llama 3 8B/70B
     **GQA_PARAMS,
     "n_heads": 8,
@@ -75,7 +54,12 @@ def rope_frequencies(head_dim: int, theta: float) -> list:
 
 
 def llama31_scaled_frequencies(head_dim: int, theta: float, factor: float = 8.0) -> list:
-    """The Llama 3.1 rule from SPEC.md, one frequency at a time (low factor 1, high factor 4, context 8192)."""
+    """The Llama 3.1 RoPE scaling rule (Meta's `apply_scaling`), one frequency at a time.
+
+    Constants: scale factor 8 (Llama 3.1; 32 for Llama 3.2 1B/3B), low_freq_factor 1, high_freq_factor 4,
+    original context 8192. A frequency f of wavelength w = 2 pi / f is kept if w < 8192 / 4, divided by the
+    factor if w > 8192 / 1, and otherwise blended: (1 - s) * f / factor + s * f with s = (8192 / w - 1) / (4 - 1).
+    """
     scaled = []
     for f in rope_frequencies(head_dim, theta):
         wavelength = 2 * math.pi / f
@@ -105,53 +89,6 @@ def rope_rotate_half(x: torch.Tensor, positions: torch.Tensor, freqs: list) -> t
     y = torch.empty_like(y_hf)
     y[..., 0::2], y[..., 1::2] = y_hf[..., :half], y_hf[..., half:]
     return y.to(x.dtype)
-
-
-def causal_mask(seqlen: int, start_pos: int) -> torch.Tensor:
-    """(seqlen, start_pos + seqlen): row i (position start_pos + i) may see columns <= start_pos + i."""
-    rows = torch.arange(seqlen)[:, None] + start_pos
-    cols = torch.arange(start_pos + seqlen)[None, :]
-    return torch.zeros(seqlen, start_pos + seqlen).masked_fill(cols > rows, float("-inf"))
-
-
-def reference_attention(xq, keys, values, mask, n_rep: int) -> torch.Tensor:
-    """Meta's attention math, step by step: kv heads repeated, scores, mask, float32 softmax, weighted values.
-
-    xq is (bsz, seqlen, heads, head_dim), keys and values (bsz, kv_len, kv_heads, head_dim); the result is
-    (bsz, seqlen, heads * head_dim).
-    """
-    bsz, seqlen, _, head_dim = xq.shape
-    keys = keys.repeat_interleave(n_rep, dim=2).transpose(1, 2)  # (bsz, heads, kv_len, head_dim)
-    values = values.repeat_interleave(n_rep, dim=2).transpose(1, 2)
-    scores = torch.matmul(xq.transpose(1, 2), keys.transpose(2, 3)) / math.sqrt(head_dim)
-    if mask is not None:
-        scores = scores + mask
-    scores = F.softmax(scores.float(), dim=-1).type_as(xq)
-    return torch.matmul(scores, values).transpose(1, 2).reshape(bsz, seqlen, -1)
-
-
-def reference_attention_forward(self: Attention, x, start_pos, freqs_cis, mask):
-    """`Attention.forward` as Meta wrote it: our projections, RoPE and cache, then `reference_attention` under
-    Meta's mask, built here (the `mask` our Transformer passes is not used)."""
-    bsz, seqlen, _ = x.shape
-    mask = causal_mask(seqlen, start_pos).to(x.dtype) if seqlen > 1 else None
-    xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
-    xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
-    xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
-    xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
-    self.cache_k = self.cache_k.to(xq)
-    self.cache_v = self.cache_v.to(xq)
-    self.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
-    self.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
-    keys, values = self.cache_k[:bsz, : start_pos + seqlen], self.cache_v[:bsz, : start_pos + seqlen]
-    return self.wo(reference_attention(xq, keys, values, mask, self.n_rep))
-
-
-def with_reference_attention(model: Transformer) -> Transformer:
-    """`model`, its attention layers switched to `reference_attention_forward`."""
-    for layer in model.layers:
-        layer.attention.forward = types.MethodType(reference_attention_forward, layer.attention)
-    return model
 
 
 def to_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -215,16 +152,6 @@ def our_model(meta: dict, args: ModelArgs) -> Transformer:
     model = Transformer(args)
     model.load_state_dict(meta, strict=True)
     return model.eval()
-
-
-def incremental_logits(model: Transformer, tokens: torch.Tensor, steps: list) -> torch.Tensor:
-    """Logits for every position, fed to our model in pieces of the given sizes through the KV cache."""
-    assert sum(steps) == tokens.shape[1]
-    pieces, start_pos = [], 0
-    for size in steps:
-        pieces.append(model(tokens[:, start_pos : start_pos + size], start_pos))
-        start_pos += size
-    return torch.cat(pieces, dim=1)
 
 
 # 1. RoPE -----------------------------------------------------------------------------------------------------
@@ -395,6 +322,7 @@ def test_scaled_rope_matches_transformers_llama3_rope(process_group, factor):
     torch.testing.assert_close(ours, hf_freqs.double(), rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factor", [8.0, 32.0])
 def test_long_context_logits_match_transformers_beyond_8192(process_group, factor):
     params = {**GQA_PARAMS, "dim": 32, "n_layers": 1, "vocab_size": 256, "use_scaled_rope": True}
@@ -501,256 +429,3 @@ def test_feed_forward_is_swiglu(process_group):
     expected = (gate * torch.sigmoid(gate) * (x @ w3.T)) @ w2.T
     with torch.no_grad():
         torch.testing.assert_close(ffn(x), expected, rtol=1e-5, atol=1e-4)
-
-
-def test_model_args_defaults_are_llama3_8b_shaped():
-    args = ModelArgs()
-    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads) == (4096, 32, 32, None)
-    assert (args.vocab_size, args.multiple_of, args.ffn_dim_multiplier, args.norm_eps) == (-1, 256, None, 1e-5)
-    assert (args.rope_theta, args.max_batch_size, args.max_seq_len) == (500000, 32, 2048)
-
-
-# 7. Speed-ups keep the reference math ----------------------------------------------------------------------
-
-
-def load_tiny(tmp_path, weights, dtype):
-    write_meta_checkpoint(tmp_path / "ckpt", GQA_PARAMS, weights)
-    reader = open_checkpoint(tmp_path / "ckpt")
-    args = model_args_from(reader.params, max_seq_len=32, max_batch_size=2)[0]
-    return load_model(reader, args, 0, 1, torch.device("cpu"), dtype)
-
-
-def reference_model(tmp_path, weights, dtype) -> Transformer:
-    """The same checkpoint as `load_tiny` gives, run as Meta's code runs it: `F.linear`, attention step by step."""
-    model = load_tiny(tmp_path, weights, dtype)
-    unpack_layers(model)
-    return with_reference_attention(model)
-
-
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_fast_path_gives_the_reference_logits_in_float32(process_group, tmp_path, tie):
-    """Fused attention and the CPU linear layers keep float32 logits within 1e-4 of Meta's math."""
-    params = GQA_PARAMS
-    weights = random_weights(params, seed=11)
-    if tie:
-        del weights["output.weight"]
-    loaded = load_tiny(tmp_path / "fast", weights, torch.float32)
-    layers = [m for m in loaded.modules() if isinstance(m, CPULinear)]
-    assert len(layers) == 7 * params["n_layers"] + 1
-    if tie:
-        assert loaded.output.weight.data_ptr() == loaded.tok_embeddings.weight.data_ptr()  # one table, not two
-        weights["output.weight"] = weights["tok_embeddings.weight"]
-    weights = {k: v.float() for k, v in weights.items()}
-    assert {k: v.shape for k, v in loaded.state_dict().items()} == {k: v.shape for k, v in weights.items()}
-    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weights.items())  # the ordinary layout
-    reference = reference_model(tmp_path / "reference", weights, torch.float32)
-    assert not any(isinstance(m, CPULinear) for m in reference.modules())
-
-    tokens = torch.randint(0, params["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
-    expected = reference(tokens, 0)
-    assert expected.abs().max() > 1  # logits large enough that a wrong model could not pass by being tiny
-    assert (loaded(tokens, 0) - expected).abs().max() < ATOL
-    steps = incremental_logits(loaded, tokens, [8, 1, 1, 1, 1])
-    assert (steps - expected).abs().max() < ATOL
-    assert torch.equal(steps.argmax(-1), expected.argmax(-1))
-    one_row = incremental_logits(loaded, tokens[:1], [8, 1, 1, 1, 1])  # batch 1 decodes one row at a time
-    assert (one_row - expected[:1]).abs().max() < ATOL
-
-
-def greedy_tokens(model: Transformer, prompt: torch.Tensor, steps: int) -> torch.Tensor:
-    tokens = prompt
-    logits = model(tokens, 0)[:, -1]
-    for _ in range(steps):
-        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
-        logits = model(tokens[:, -1:], tokens.shape[1] - 1)[:, -1]
-    return tokens[:, prompt.shape[1] :]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_fast_path_keeps_greedy_tokens_and_torch_settings(process_group, tmp_path, dtype):
-    weights = random_weights(GQA_PARAMS, seed=12)
-    fast = load_tiny(tmp_path / "fast", weights, dtype)
-    reference = reference_model(tmp_path / "reference", weights, dtype)
-    prompt = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(3))
-    onednn_enabled = torch.backends.mkldnn.enabled
-    for batch in (prompt, prompt[:1]):  # batch 1 takes the matrix-vector kernels
-        assert torch.equal(greedy_tokens(fast, batch, 20), greedy_tokens(reference, batch, 20))
-    # A bfloat16 row switches oneDNN off for its own matmul only: the global switch is as the user left it.
-    assert torch.backends.mkldnn.enabled == onednn_enabled
-    # The weights are the checkpoint's, in the ordinary layout: state_dict() and editing work as usual.
-    expected = reference.state_dict()
-    assert all(torch.equal(fast.state_dict()[k], v) for k, v in expected.items())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_prompt_attended_causally_equals_the_mask_tensor_bit_for_bit(process_group, tmp_path, dtype):
-    """A prompt from position 0 goes through SDPA's is_causal; the reference's mask tensor gives the same bits."""
-    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=16), dtype)
-    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 29), generator=torch.Generator().manual_seed(8))
-    causal = model(tokens, 0)
-    with torch.inference_mode():
-        h = model.tok_embeddings(tokens)
-        mask = causal_mask(tokens.shape[1], 0).to(dtype)
-        for layer in model.layers:
-            h = layer(h, 0, model.freqs_cis[: tokens.shape[1]], mask)
-        masked = model.output(model.norm(h)).float()
-    assert torch.equal(causal, masked)
-
-
-def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_group, tmp_path):
-    """Prompts and decode steps of several bf16 sequences run on weights packed once for oneDNN: the logits of
-    `F.linear` bit for bit, also after a weight is edited in place or replaced between calls."""
-    weights = random_weights(GQA_PARAMS, seed=15)
-    packed = load_tiny(tmp_path / "packed", weights, torch.bfloat16)
-    plain = load_tiny(tmp_path / "plain", weights, torch.bfloat16)
-    unpack_layers(plain)
-    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(7))
-
-    def steps(model):
-        return incremental_logits(model, tokens, [6, 1, 1, 1, 1])
-
-    before = steps(packed)
-    assert torch.equal(before, steps(plain))
-    assert all(m.packed is not None for m in packed.modules() if isinstance(m, CPULinear))
-
-    with torch.no_grad():
-        for model in (packed, plain):
-            model.layers[1].feed_forward.w2.weight.mul_(-1)
-    after = steps(packed)
-    assert not torch.equal(after, before)
-    assert torch.equal(after, steps(plain))
-
-    # A replaced weight, made to have the old one's version count: only its identity tells it apart.
-    output = torch.randn_like(plain.output.weight)
-    while output._version < packed.output.weight._version:
-        output.add_(0)
-    packed.output.weight, plain.output.weight = nn.Parameter(output), nn.Parameter(output.clone())
-    assert torch.equal(steps(packed), steps(plain))
-
-    # The packed copies are dropped from copies of the model (they cannot be copied), and remade there.
-    assert torch.equal(steps(copy.deepcopy(packed)), steps(plain))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_parallel_layers_compute_what_fairscale_layers_do(process_group, tmp_path, dtype):
-    """The layers a loaded model runs on (`llama.parallel_layers`, as on a GPU) give fairscale's logits bit for bit,
-    under the same state-dict keys."""
-    weights = random_weights(GQA_PARAMS, seed=17)
-    model = load_tiny(tmp_path / "ckpt", weights, dtype)
-    assert isinstance(model.tok_embeddings, ParallelEmbedding)
-    unpack_layers(model)
-    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(9))
-    expected = incremental_logits(model, tokens, [6, 1, 1, 1, 1])
-    keys = model.state_dict().keys()
-    use_parallel_layers(model)
-    assert isinstance(model.layers[1].attention.wo, ParallelLinear)
-    assert model.state_dict().keys() == keys
-    assert torch.equal(incremental_logits(model, tokens, [6, 1, 1, 1, 1]), expected)
-
-
-def test_no_packed_copies_without_memory_for_them(process_group, tmp_path, monkeypatch):
-    """A second copy of the weights is made only when the system has twice their size available."""
-    monkeypatch.setattr(llama.cpu, "available_memory", lambda: 0)
-    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=15), torch.bfloat16)
-    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(7))
-    incremental_logits(model, tokens, [6, 1, 1])
-    assert all(m.packed is None for m in model.modules() if isinstance(m, CPULinear))
-
-
-# 8. The static-shape decode step, eager and compiled ------------------------------------------------------------
-
-
-def static_steps(step, model: Transformer, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """Logits for positions prompt_len.. of `tokens`: the prompt through `forward`, then one `step` per token."""
-    logits = [model(tokens[:, :prompt_len], 0)[:, -1:]]
-    for pos in range(prompt_len, tokens.shape[1] - 1):
-        logits.append(step(tokens[:, pos : pos + 1], torch.tensor([pos])))
-    return torch.cat(logits, dim=1)
-
-
-def test_decode_step_gives_the_logits_of_forward_and_ignores_stale_cache(process_group, tmp_path):
-    """decode_step attends over the whole cache; what an earlier, longer sequence left there must not count."""
-    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=13), torch.float32)
-    generator = torch.Generator().manual_seed(5)
-    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 12), generator=generator)
-    expected = model(tokens, 0)[:, 5:-1]
-    model(torch.randint(0, GQA_PARAMS["vocab_size"], (2, 32), generator=generator), 0)  # fills the whole cache
-    got = static_steps(model.decode_step, model, tokens, prompt_len=6)
-    assert expected.abs().max() > 1
-    assert (got - expected).abs().max() < ATOL
-
-
-def assert_same_completions(got, expected):
-    """The same text_completion texts, and logprobs apart by float32 rounding only."""
-    assert [c["generation"] for c in got] == [c["generation"] for c in expected]
-    for a, b in zip(got, expected):
-        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < ATOL
-
-
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-def test_compiled_decoding_keeps_greedy_tokens(tiny_checkpoint, tokenizer_path, process_group, device):
-    """Llama.build(compile=True) decodes through torch.compile (on CUDA, CUDA graphs); float32 tokens stay those of
-    the eager path."""
-    from llama import Llama
-
-    generator = Llama.build(
-        str(tiny_checkpoint), tokenizer_path, max_seq_len=48, max_batch_size=2, device=device, dtype="float32"
-    )
-    prompts = ["The capital of France is", "1, 2, 3,"]
-    eager = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
-    counters.clear()
-    generator.compile_decode_step()
-    compiled = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]  # the whole step, compiled
-    assert counters["inductor"]["cudagraph_skips"] == 0  # on CUDA, replayed as a CUDA graph
-    assert_same_completions(compiled, eager)
-    counters.clear()
-    generator.text_completion(["Prompts of other lengths", "and another length of output"], max_gen_len=9)
-    assert counters["stats"]["unique_graphs"] == 0  # the same compiled step, not compiled again
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_cuda_decodes_the_tokens_of_the_cpu(tiny_checkpoint, tokenizer_path, process_group):
-    """The eager path on a GPU (the reference's device) gives the float32 tokens and logprobs of the CPU path,
-    which the other tests check against the reference math."""
-    from llama import Llama
-
-    prompts = ["The capital of France is", "1, 2, 3,"]
-    completions = {}
-    for device in ("cpu", "cuda"):
-        generator = Llama.build(
-            str(tiny_checkpoint), tokenizer_path, max_seq_len=48, max_batch_size=2, device=device, dtype="float32"
-        )
-        completions[device] = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
-    assert_same_completions(completions["cuda"], completions["cpu"])
-
-
-def test_compiled_step_is_one_graph_with_fairscale_layers(process_group, tmp_path):
-    """A model put back on fairscale's layers (whose all-reduce torch.compile cannot trace) still compiles to one
-    graph (one CUDA graph): compiling swaps in `llama.parallel_layers`, with the same weights and logits."""
-    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=16), torch.float32)
-    unpack_layers(model)  # fairscale's layers, as in Meta's code
-    weights = model.state_dict()
-    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(8))
-    expected = static_steps(model.decode_step, model, tokens, prompt_len=6)
-    counters.clear()
-    got = static_steps(compiled_decode_step(model), model, tokens, prompt_len=6)
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
-    assert expected.abs().max() > 1
-    assert (got - expected).abs().max() < ATOL
-    assert isinstance(model.layers[0].feed_forward.w2, ParallelLinear)
-    assert {key: tensor.data_ptr() for key, tensor in model.state_dict().items()} == {
-        key: tensor.data_ptr() for key, tensor in weights.items()
-    }
-
-
-def test_compiled_bfloat16_step_rounds_like_the_eager_path(process_group, tmp_path):
-    """In bfloat16 fused kernels round differently, so compare step by step on the same tokens: the same argmax,
-    and logits apart by bfloat16 rounding only (its step is 1/128 of a value)."""
-    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=14), torch.bfloat16)
-    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(6))
-    expected = model(tokens, 0)[:, 5:-1]
-    step = compiled_decode_step(model)
-    got = static_steps(step, model, tokens, prompt_len=6)
-    assert torch.equal(got.argmax(-1), expected.argmax(-1))
-    assert (got - expected).abs().max() < 0.02 * expected.abs().max()

@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
-from conftest import TINY_PARAMS, make_checkpoint
+from helpers import TINY_PARAMS, make_checkpoint
 
 from llama.checkpoint import split_dim
 from llama.demo import random_weights
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test launches processes, most of them torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("parallel_worker.py")

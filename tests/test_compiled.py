@@ -1,0 +1,129 @@
+"""The static-shape decode step (`Transformer.decode_step`), eager and through torch.compile, and the eager
+path on CUDA against the CPU's, on tiny random weights.
+"""
+
+import pytest
+import torch
+from helpers import ATOL, GQA_PARAMS, load_tiny
+from torch._dynamo.utils import counters
+
+from llama.decoding import compiled_decode_step
+from llama.demo import random_weights
+from llama.model import Transformer
+from llama.parallel_layers import ParallelLinear, unpack_layers
+
+
+def static_steps(step, model: Transformer, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Logits for positions prompt_len.. of `tokens`: the prompt through `forward`, then one `step` per token."""
+    logits = [model(tokens[:, :prompt_len], 0)[:, -1:]]
+    for pos in range(prompt_len, tokens.shape[1] - 1):
+        logits.append(step(tokens[:, pos : pos + 1], torch.tensor([pos])))
+    return torch.cat(logits, dim=1)
+
+
+def test_decode_step_gives_the_logits_of_forward_and_ignores_stale_cache(process_group, tmp_path):
+    """decode_step attends over the whole cache; what an earlier, longer sequence left there must not count."""
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=13), torch.float32)
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 12), generator=generator)
+    expected = model(tokens, 0)[:, 5:-1]
+    model(torch.randint(0, GQA_PARAMS["vocab_size"], (2, 32), generator=generator), 0)  # fills the whole cache
+    got = static_steps(model.decode_step, model, tokens, prompt_len=6)
+    assert expected.abs().max() > 1
+    assert (got - expected).abs().max() < ATOL
+
+
+def assert_same_completions(got, expected):
+    """The same text_completion texts, and logprobs apart by float32 rounding only."""
+    assert [c["generation"] for c in got] == [c["generation"] for c in expected]
+    for a, b in zip(got, expected):
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < ATOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "device", ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
+)
+def test_compiled_decoding_keeps_greedy_tokens(tiny_checkpoint, tokenizer_path, process_group, device):
+    """Llama.build(compile=True) decodes through torch.compile (on CUDA, CUDA graphs); float32 tokens stay those of
+    the eager path."""
+    from llama import Llama
+
+    generator = Llama.build(
+        str(tiny_checkpoint), tokenizer_path, max_seq_len=48, max_batch_size=2, device=device, dtype="float32"
+    )
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    eager = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
+    counters.clear()
+    generator.compile_decode_step()
+    compiled = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]  # the whole step, compiled
+    assert counters["inductor"]["cudagraph_skips"] == 0  # on CUDA, replayed as a CUDA graph
+    assert_same_completions(compiled, eager)
+    counters.clear()
+    generator.text_completion(["Prompts of other lengths", "and another length of output"], max_gen_len=9)
+    assert counters["stats"]["unique_graphs"] == 0  # the same compiled step, not compiled again
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_decodes_the_tokens_of_the_cpu(tiny_checkpoint, tokenizer_path, process_group):
+    """The eager path on a GPU (the reference's device) gives the float32 tokens and logprobs of the CPU path,
+    which the other tests check against the reference math."""
+    from llama import Llama
+
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    completions = {}
+    for device in ("cpu", "cuda"):
+        generator = Llama.build(
+            str(tiny_checkpoint), tokenizer_path, max_seq_len=48, max_batch_size=2, device=device, dtype="float32"
+        )
+        completions[device] = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
+    assert_same_completions(completions["cuda"], completions["cpu"])
+
+
+@pytest.mark.slow
+def test_compiled_step_is_one_graph_with_fairscale_layers(process_group, tmp_path):
+    """A model put back on fairscale's layers (whose all-reduce torch.compile cannot trace) still compiles to one
+    graph (one CUDA graph): compiling swaps in `llama.parallel_layers`, with the same weights and logits."""
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=16), torch.float32)
+    unpack_layers(model)  # fairscale's layers, as in Meta's code
+    weights = model.state_dict()
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(8))
+    expected = static_steps(model.decode_step, model, tokens, prompt_len=6)
+    counters.clear()
+    got = static_steps(compiled_decode_step(model), model, tokens, prompt_len=6)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert expected.abs().max() > 1
+    assert (got - expected).abs().max() < ATOL
+    assert isinstance(model.layers[0].feed_forward.w2, ParallelLinear)
+    assert {key: tensor.data_ptr() for key, tensor in model.state_dict().items()} == {
+        key: tensor.data_ptr() for key, tensor in weights.items()
+    }
+
+
+@pytest.mark.slow
+def test_compiled_bfloat16_step_rounds_like_the_eager_path(process_group, tmp_path):
+    """In bfloat16 fused kernels round differently, so compare step by step on the same tokens: the same argmax,
+    and logits apart by bfloat16 rounding only (its step is 1/128 of a value)."""
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=14), torch.bfloat16)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(6))
+    expected = model(tokens, 0)[:, 5:-1]
+    step = compiled_decode_step(model)
+    got = static_steps(step, model, tokens, prompt_len=6)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    assert (got - expected).abs().max() < 0.02 * expected.abs().max()
+
+
+@pytest.mark.slow
+def test_a_one_token_prompt_goes_to_the_compiled_step_first(tiny_checkpoint, tokenizer_path, process_group):
+    """With one prompt token the very first step is a one-token step, run by the compiled step before any `forward`:
+    the model is ready for it (KV caches and RoPE table) as soon as it is built."""
+    from llama import Llama
+
+    generator = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=16, max_batch_size=1, compile=True)
+    compiled, _ = generator.generate([[128000]], 6, temperature=0)
+    generator.decoder.decode_step = None  # back to the eager path
+    eager, _ = generator.generate([[128000]], 6, temperature=0)
+    assert compiled == eager and len(compiled[0]) == 6

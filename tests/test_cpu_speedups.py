@@ -1,0 +1,170 @@
+"""The CPU speed-ups keep the reference math: llama/cpu.py's linear layers (packed oneDNN weights, matrix-vector
+kernels), fused attention, and `llama.parallel_layers` against fairscale's layers, on tiny random weights.
+
+The reference is the same checkpoint run as Meta's code runs it: `F.linear` and attention step by step
+(`helpers.with_reference_attention`).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from helpers import ATOL, GQA_PARAMS, causal_mask, incremental_logits, load_tiny, with_reference_attention
+
+import llama.cpu
+from llama.cpu import CPULinear, onednn_bf16_supported
+from llama.demo import random_weights
+from llama.model import Transformer
+from llama.parallel_layers import ParallelEmbedding, ParallelLinear, unpack_layers, use_parallel_layers
+
+
+def reference_model(tmp_path, weights, dtype) -> Transformer:
+    """The same checkpoint as `load_tiny` gives, run as Meta's code runs it: `F.linear`, attention step by step."""
+    model = load_tiny(tmp_path, weights, dtype)
+    unpack_layers(model)
+    return with_reference_attention(model)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_fast_path_gives_the_reference_logits_in_float32(process_group, tmp_path, tie):
+    """Fused attention and the CPU linear layers keep float32 logits within 1e-4 of Meta's math."""
+    params = GQA_PARAMS
+    weights = random_weights(params, seed=11)
+    if tie:
+        del weights["output.weight"]
+    loaded = load_tiny(tmp_path / "fast", weights, torch.float32)
+    layers = [m for m in loaded.modules() if isinstance(m, CPULinear)]
+    assert len(layers) == 7 * params["n_layers"] + 1
+    if tie:
+        assert loaded.output.weight.data_ptr() == loaded.tok_embeddings.weight.data_ptr()  # one table, not two
+        weights["output.weight"] = weights["tok_embeddings.weight"]
+    weights = {k: v.float() for k, v in weights.items()}
+    assert {k: v.shape for k, v in loaded.state_dict().items()} == {k: v.shape for k, v in weights.items()}
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weights.items())  # the ordinary layout
+    reference = reference_model(tmp_path / "reference", weights, torch.float32)
+    assert not any(isinstance(m, CPULinear) for m in reference.modules())
+
+    tokens = torch.randint(0, params["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
+    expected = reference(tokens, 0)
+    assert expected.abs().max() > 1  # logits large enough that a wrong model could not pass by being tiny
+    assert (loaded(tokens, 0) - expected).abs().max() < ATOL
+    steps = incremental_logits(loaded, tokens, [8, 1, 1, 1, 1])
+    assert (steps - expected).abs().max() < ATOL
+    assert torch.equal(steps.argmax(-1), expected.argmax(-1))
+    one_row = incremental_logits(loaded, tokens[:1], [8, 1, 1, 1, 1])  # batch 1 decodes one row at a time
+    assert (one_row - expected[:1]).abs().max() < ATOL
+
+
+def greedy_tokens(model: Transformer, prompt: torch.Tensor, steps: int) -> torch.Tensor:
+    tokens = prompt
+    logits = model(tokens, 0)[:, -1]
+    for _ in range(steps):
+        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+        logits = model(tokens[:, -1:], tokens.shape[1] - 1)[:, -1]
+    return tokens[:, prompt.shape[1] :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fast_path_keeps_greedy_tokens_and_torch_settings(process_group, tmp_path, dtype):
+    weights = random_weights(GQA_PARAMS, seed=12)
+    fast = load_tiny(tmp_path / "fast", weights, dtype)
+    reference = reference_model(tmp_path / "reference", weights, dtype)
+    prompt = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(3))
+    onednn_enabled = torch.backends.mkldnn.enabled
+    for batch in (prompt, prompt[:1]):  # batch 1 takes the matrix-vector kernels
+        assert torch.equal(greedy_tokens(fast, batch, 20), greedy_tokens(reference, batch, 20))
+    # A bfloat16 row switches oneDNN off for its own matmul only: the global switch is as the user left it.
+    assert torch.backends.mkldnn.enabled == onednn_enabled
+    # The weights are the checkpoint's, in the ordinary layout: state_dict() and editing work as usual.
+    expected = reference.state_dict()
+    assert all(torch.equal(fast.state_dict()[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_prompt_attended_causally_equals_the_mask_tensor_bit_for_bit(process_group, tmp_path, dtype):
+    """A prompt from position 0 goes through SDPA's is_causal; the reference's mask tensor gives the same bits."""
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=16), dtype)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 29), generator=torch.Generator().manual_seed(8))
+    causal = model(tokens, 0)
+    with torch.inference_mode():
+        h = model.tok_embeddings(tokens)
+        mask = causal_mask(tokens.shape[1], 0).to(dtype)
+        for layer in model.layers:
+            h = layer(h, 0, model.freqs_cis[: tokens.shape[1]], mask)
+        masked = model.output(model.norm(h)).float()
+    assert torch.equal(causal, masked)
+
+
+@pytest.mark.skipif(not onednn_bf16_supported(), reason="oneDNN has no bfloat16 kernels for this CPU (no AVX-512)")
+def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_group, tmp_path):
+    """Prompts and decode steps of several bf16 sequences run on weights packed once for oneDNN: the logits of
+    `F.linear` bit for bit, also after a weight is edited in place or replaced between calls."""
+    weights = random_weights(GQA_PARAMS, seed=15)
+    packed = load_tiny(tmp_path / "packed", weights, torch.bfloat16)
+    plain = load_tiny(tmp_path / "plain", weights, torch.bfloat16)
+    unpack_layers(plain)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(7))
+
+    def steps(model):
+        return incremental_logits(model, tokens, [6, 1, 1, 1, 1])
+
+    before = steps(packed)
+    assert torch.equal(before, steps(plain))
+    assert all(m.packed is not None for m in packed.modules() if isinstance(m, CPULinear))
+
+    with torch.no_grad():
+        for model in (packed, plain):
+            model.layers[1].feed_forward.w2.weight.mul_(-1)
+    after = steps(packed)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, steps(plain))
+
+    # A replaced weight, made to have the old one's version count: only its identity tells it apart.
+    output = torch.randn_like(plain.output.weight)
+    while output._version < packed.output.weight._version:
+        output.add_(0)
+    packed.output.weight, plain.output.weight = nn.Parameter(output), nn.Parameter(output.clone())
+    assert torch.equal(steps(packed), steps(plain))
+
+    # The packed copies are dropped from copies of the model (they cannot be copied), and remade there.
+    assert torch.equal(steps(copy.deepcopy(packed)), steps(plain))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parallel_layers_compute_what_fairscale_layers_do(process_group, tmp_path, dtype):
+    """The layers a loaded model runs on (`llama.parallel_layers`, as on a GPU) give fairscale's logits bit for bit,
+    under the same state-dict keys."""
+    weights = random_weights(GQA_PARAMS, seed=17)
+    model = load_tiny(tmp_path / "ckpt", weights, dtype)
+    assert isinstance(model.tok_embeddings, ParallelEmbedding)
+    unpack_layers(model)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(9))
+    expected = incremental_logits(model, tokens, [6, 1, 1, 1, 1])
+    keys = model.state_dict().keys()
+    use_parallel_layers(model)
+    assert isinstance(model.layers[1].attention.wo, ParallelLinear)
+    assert model.state_dict().keys() == keys
+    assert torch.equal(incremental_logits(model, tokens, [6, 1, 1, 1, 1]), expected)
+
+
+def test_no_packed_copies_without_memory_for_them(process_group, tmp_path, monkeypatch):
+    """A second copy of the weights is made only when the system has twice their size available."""
+    monkeypatch.setattr(llama.cpu, "available_memory", lambda: 0)
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=15), torch.bfloat16)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(7))
+    incremental_logits(model, tokens, [6, 1, 1])
+    assert all(m.packed is None for m in model.modules() if isinstance(m, CPULinear))
+
+
+def test_no_packed_weights_where_onednn_has_no_bfloat16_kernels(process_group, tmp_path, monkeypatch):
+    """Packing bfloat16 weights needs oneDNN's bfloat16 kernels (AVX-512 and later): without them a bfloat16 model
+    runs batches on F.linear, and asking for packed layers is a clear error, not a crash at the first batch."""
+    monkeypatch.setattr(llama.cpu, "onednn_bf16_supported", lambda: False)
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=15), torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, CPULinear)]
+    assert layers and not any(layer.pack_weights for layer in layers)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(7))
+    assert incremental_logits(model, tokens, [6, 1, 1, 1, 1]).isfinite().all()
+    with pytest.raises(ValueError, match="bfloat16 kernels, which this CPU lacks"):
+        CPULinear(model.layers[0].attention.wq.plain, pack_weights=True)

@@ -1,0 +1,107 @@
+"""llama.decoding.BatchDecoder on its own: a stand-in model and tokenizer, no checkpoint and no `Llama`.
+
+The stand-in model predicts, at every position, the token after the one there (token + 1), so each output is
+known in advance and every rule of batch decoding can be checked exactly: the prompts' layout, which positions
+are fed at each step, the rows that keep their prompt tokens, the cut at a stop token, and streaming.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llama.decoding import BatchDecoder
+from llama.model import ModelArgs
+
+VOCAB = 32
+STOP = 20  # the stand-in tokenizer's only stop token
+
+
+class CountingModel:
+    """The `Transformer` interface that `BatchDecoder` uses, predicting token + 1 at every position."""
+
+    def __init__(self, max_seq_len: int = 16, max_batch_size: int = 4):
+        self.params = ModelArgs(dim=8, n_layers=1, n_heads=1, vocab_size=VOCAB, max_seq_len=max_seq_len,
+                                max_batch_size=max_batch_size)  # fmt: skip
+        self.tok_embeddings = SimpleNamespace(weight=torch.zeros(1))
+        self.fed = []  # (start_pos, number of positions) of every call
+
+    def forward(self, tokens: torch.Tensor, start_pos: int, last_logits_only: bool = False) -> torch.Tensor:
+        self.fed.append((start_pos, tokens.shape[1]))
+        logits = 10.0 * F.one_hot((tokens + 1) % VOCAB, VOCAB).float()
+        return logits[:, -1:] if last_logits_only else logits
+
+
+def tokenizer():
+    return SimpleNamespace(
+        pad_id=-1,
+        stop_tokens={STOP},
+        eom_id=None,
+        decode_bytes=lambda tokens: "".join(chr(ord("a") + t) for t in tokens).encode(),
+    )
+
+
+def test_greedy_rows_count_on_from_their_own_prompts():
+    model = CountingModel()
+    out, logprobs, reasons = BatchDecoder(model, tokenizer()).run([[1, 2, 3], [7]], 4, 0, 0.9, False, False)
+    assert out == [[4, 5, 6, 7], [8, 9, 10, 11]]
+    assert logprobs == [None, None]
+    assert reasons == ["length", "length"]
+    # Decoding starts at the shortest prompt's end; each step feeds only the positions not yet in the cache.
+    assert model.fed == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]  # the table is 3 + 4 positions long
+
+
+def test_echo_returns_prompt_and_generation():
+    out, _, _ = BatchDecoder(CountingModel(), tokenizer()).run([[1, 2]], 3, 0, 0.9, False, echo=True)
+    assert out == [[1, 2, 3, 4, 5]]
+
+
+def test_a_stop_token_cuts_its_row_and_the_others_go_on():
+    # Row 0 reaches the stop token (20) after two tokens; row 1 never does within 6 tokens.
+    out, _, reasons = BatchDecoder(CountingModel(), tokenizer()).run([[17, 18], [1, 2]], 6, 0, 0.9, False, False)
+    assert out == [[19], [3, 4, 5, 6, 7, 8]]
+    assert reasons == ["end_of_turn", "length"]
+
+
+def test_decoding_stops_when_every_row_has_stopped():
+    model = CountingModel()
+    out, _, reasons = BatchDecoder(model, tokenizer()).run([[18], [19]], 10, 0, 0.9, False, False)
+    assert out == [[19], []]
+    assert reasons == ["end_of_turn", "end_of_turn"]
+    assert len(model.fed) == 2  # not the 10 steps max_gen_len allows
+
+
+def test_the_context_caps_the_output():
+    out, _, reasons = BatchDecoder(CountingModel(max_seq_len=5), tokenizer()).run([[1, 2]], 10, 0, 0.9, False, False)
+    assert out == [[3, 4, 5]]
+    assert reasons == ["length"]
+
+
+def test_logprobs_are_those_of_the_predicted_tokens():
+    _, logprobs, _ = BatchDecoder(CountingModel(), tokenizer()).run([[1, 2]], 2, 0, 0.9, True, False)
+    # Every generated token is the model's argmax, whose log-softmax over logits 10 and 0 is known.
+    expected = -torch.log1p((VOCAB - 1) * torch.exp(torch.tensor(-10.0))).item()
+    assert logprobs[0] == pytest.approx([expected, expected], rel=1e-3)  # computed in float32
+
+
+def test_streamed_chunks_join_to_the_run_output():
+    prompts = [[17, 18], [1, 2]]
+    chunks = list(BatchDecoder(CountingModel(), tokenizer()).stream(prompts, 6, 0, 0.9))
+    texts = {i: "".join(c.text for c in chunks if c.index == i) for i in (0, 1)}
+    assert texts == {0: "t", 1: "defghi"}  # tokens [19] and [3, ..., 8] as the stand-in decodes them
+    last = {c.index: c for c in chunks if c.finished}
+    assert (last[0].stop_reason, last[0].n_tokens) == ("end_of_turn", 1)
+    assert (last[1].stop_reason, last[1].n_tokens) == ("length", 6)
+
+
+def test_bad_batches_are_refused_before_decoding():
+    model = CountingModel(max_batch_size=2)
+    decoder = BatchDecoder(model, tokenizer())
+    with pytest.raises(ValueError, match="max_batch_size=2"):
+        decoder.run([[1], [2], [3]], 2, 0, 0.9, False, False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        decoder.run([[1, VOCAB]], 2, 0, 0.9, False, False)
+    with pytest.raises(ValueError, match="top_p"):
+        decoder.run([[1]], 2, 0.5, 0.0, False, False)
+    assert model.fed == []

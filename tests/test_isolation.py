@@ -1,0 +1,64 @@
+"""A library call leaves the rest of the process alone: no patched torch.nn methods, no global backend flags
+flipped, no replaced sys.stdout. Other threads and other code in the same process see no change."""
+
+import io
+import sys
+import threading
+
+import torch
+from torch import nn
+
+import llama.checkpoint
+import llama.distributed
+from llama import Llama
+from llama.checkpoint import AllocateOnMeta
+from llama.model import ModelArgs, Transformer
+
+
+def test_building_on_the_meta_device_leaves_other_threads_alone(process_group):
+    inside, built_elsewhere = threading.Event(), threading.Event()
+    layers = {}
+
+    def other_thread():
+        inside.wait(10)
+        layers["other"] = nn.Linear(4, 4)  # made while the main thread is inside AllocateOnMeta
+        built_elsewhere.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with AllocateOnMeta():
+        inside.set()
+        built_elsewhere.wait(10)
+        model = Transformer(ModelArgs(dim=16, n_layers=1, n_heads=2, vocab_size=32, max_seq_len=8, max_batch_size=1))
+    thread.join()
+    assert all(p.device.type == "meta" for p in model.parameters())  # fairscale's torch.Tensor(...) weights too
+    assert layers["other"].weight.device.type == "cpu"
+    assert torch.isfinite(layers["other"].weight).all()
+    assert nn.Linear(2, 2).weight.device.type == "cpu"  # and nothing lingers after the block
+
+
+def test_decoding_never_flips_global_backend_flags(tiny_checkpoint, tokenizer_path, process_group, monkeypatch):
+    generator = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=32, max_batch_size=2, dtype="bfloat16")
+    calls = []
+    enabled = type(torch.backends.mkldnn).__dict__["enabled"]  # what `torch.backends.mkldnn.enabled = x` runs
+    monkeypatch.setattr(enabled, "setter", calls.append)
+    tokens, _ = generator.generate([[128000, 791, 1917]], max_gen_len=4, temperature=0)  # one-row bf16 steps
+    assert len(tokens[0]) == 4
+    assert calls == []
+
+
+def test_only_the_first_process_prints_and_stdout_stays(tiny_checkpoint, tokenizer_path, process_group, monkeypatch):
+    stdout = sys.stdout
+    printed = {}
+    for rank in (1, 0):  # as torchrun's global ranks; the model-parallel rank stays 0
+        monkeypatch.setattr(llama.distributed, "global_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(llama.checkpoint, "global_rank", lambda rank=rank: rank)
+        captured = io.StringIO()
+        monkeypatch.setattr(sys, "stdout", captured)
+        Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=16, max_batch_size=1)
+        assert sys.stdout is captured  # not replaced by the library
+        printed[rank] = captured.getvalue()
+    monkeypatch.undo()
+    assert sys.stdout is stdout
+    assert printed[1] == ""
+    assert printed[0].startswith("Loaded in ") and printed[0].endswith(" seconds\n")
