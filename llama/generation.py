@@ -46,7 +46,7 @@ class Llama:
         timeout: timedelta = DEFAULT_TIMEOUT,
         compile: bool = False,
     ) -> "Llama":
-        """Build a Llama instance by loading a checkpoint and its tokenizer.
+        """Load a checkpoint and its tokenizer into a generator, in this process's share of the model.
 
         Args:
             ckpt_dir: Folder with a Meta checkpoint (params.json, consolidated.NN.pth) or a Hugging Face one

@@ -109,7 +109,7 @@ def precompute_freqs_cis(
         freqs = apply_scaling(freqs, scale_factor or 8)
     t = torch.arange(end, device=freqs.device, dtype=torch.float32)
     freqs = torch.outer(t, freqs)
-    freqs_cis = torch.polar(torch.ones_like(freqs), freqs)  # complex64
+    freqs_cis = torch.polar(torch.ones_like(freqs), freqs)  # cos + i sin of every angle, complex64
     return freqs_cis
 
 
@@ -217,9 +217,9 @@ class Attention(nn.Module):
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
         keys, values = self.kv_cache.update(start_pos, xk, xv)
 
-        xq = xq.transpose(1, 2)  # (bs, n_local_heads, seqlen, head_dim)
-        keys = keys.transpose(1, 2)  # (bs, n_local_kv_heads, cache_len + seqlen, head_dim)
-        values = values.transpose(1, 2)  # (bs, n_local_kv_heads, cache_len + seqlen, head_dim)
+        xq = xq.transpose(1, 2)  # (bsz, n_local_heads, seqlen, head_dim)
+        keys = keys.transpose(1, 2)  # (bsz, n_local_kv_heads, positions attended, head_dim)
+        values = values.transpose(1, 2)  # (bsz, n_local_kv_heads, positions attended, head_dim)
         # softmax(xq keys^T / sqrt(head_dim) + mask) values, fused: the scores are never stored whole, and each
         # kv head serves n_rep query heads without being copied (grouped-query attention). A prompt from position 0
         # is masked by the kernel itself (is_causal), which skips the blocks above the diagonal.

@@ -113,6 +113,43 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(tiny_llama):
     assert len(session.history) == 4
 
 
+def test_help_lists_the_commands_without_asking_the_model(tiny_llama):
+    out = io.StringIO()
+    lines = iter(["/help", "/exit"])
+    run_chat(tiny_llama, max_gen_len=4, input_fn=lambda prompt: next(lines), out=out)
+    text = out.getvalue()
+    assert "Assistant: " not in text
+    for command in ("/help", "/reset", "/exit", "Ctrl-C"):
+        assert f"\n  {command} " in text
+
+
+def test_a_message_without_content_names_the_message(tiny_llama):
+    with pytest.raises(ValueError, match=r"must be a dict with a 'role' and a 'content'; got \{'role': 'user'\}"):
+        tiny_llama.chat_completion([[{"role": "user"}]], max_gen_len=2)
+
+
+def test_ctrl_c_with_several_processes_ends_the_chat_at_once(tiny_llama, monkeypatch):
+    """Under torchrun, Ctrl-C also reaches torchrun, which stops every process: the chat must not offer a prompt
+    that is about to be killed. An answer interrupted ends the process; Ctrl-C at the prompt tells the others to
+    end too (rank 0 broadcasts /exit)."""
+    import llama.chat
+
+    monkeypatch.setattr(llama.chat, "several_processes", lambda: True)
+    out = io.StringIO()
+    session = ChatSession(InterruptingGenerator(tiny_llama), temperature=0, max_gen_len=20, out=out)
+    with pytest.raises(SystemExit) as ended:
+        session.send("Tell me a long story")
+    assert ended.value.code == 130
+    assert out.getvalue().endswith("[Ctrl-C under torchrun: torchrun stops every process, so the chat ends here]\n")
+
+    def interrupted(prompt):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llama.chat.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(llama.chat.dist, "get_world_size", lambda group=None: 1)  # nothing to broadcast to here
+    assert llama.chat.read_line("User: ", interrupted, group=None) == "/exit"
+
+
 def read_until(fd, pattern, timeout):
     buffer, deadline = b"", time.time() + timeout
     while time.time() < deadline:
@@ -133,6 +170,9 @@ def test_ctrl_c_in_a_real_terminal(tiny_checkpoint, tokenizer_path):
     pid, fd = pty.fork()
     if pid == 0:  # the child: the chat, with a long answer budget so that Ctrl-C arrives mid-answer
         os.environ["OMP_NUM_THREADS"] = "1"
+        # Started with SIGINT ignored, as from `trap "" INT` or a background job: the chat must set its own
+        # handler. Set here explicitly, so that how the test suite itself was started cannot matter.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         command = chat_command(tiny_checkpoint, tokenizer_path, "--max_seq_len", "2048", "--max_gen_len", "2000")
         os.execv(sys.executable, command)
     try:
@@ -192,3 +232,45 @@ def test_interactive_chat_under_torchrun_with_model_parallelism(tmp_path, tokeni
     assert len(answers(alone.stdout)) == 2
     assert answers(together.stdout) == answers(alone.stdout)
     assert together.stdout.count("[history cleared]") == 1  # printed by rank 0 only
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
+def test_ctrl_c_under_torchrun_ends_the_chat_at_once(tmp_path, tokenizer_path):
+    """Ctrl-C in the terminal reaches torchrun and both ranks: one line says the chat ends, and it ends within
+    seconds, without a new prompt and without torchrun having to kill a rank that ignored its signal."""
+    from helpers import make_checkpoint
+
+    checkpoint = make_checkpoint(tmp_path / "mp2", n_shards=2, seed=4)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command = torchrun + chat_command(checkpoint, tokenizer_path, "--max_seq_len", "2048", "--max_gen_len", "2000")[1:]
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.execv(sys.executable, command)
+    try:
+        read_until(fd, rb"User: ", 120)
+        os.write(fd, b"Tell me everything\n")
+        read_until(fd, rb"Assistant: [^\n]*\S", 60)
+        os.write(fd, b"\x03")  # Ctrl-C, as typed: SIGINT to the terminal's foreground processes
+        after = read_until(fd, rb"the chat ends here\]", 15)
+        deadline = time.time() + 15
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            assert time.time() < deadline, "torchrun did not end within 15 s of Ctrl-C"
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    after += os.read(fd, 4096)
+                except OSError:
+                    pass
+        tail = after.split(b"^C", 1)[-1]
+        assert b"User: " not in tail  # no prompt that would be killed
+        assert b"forcefully exiting" not in tail
+    finally:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(fd)
