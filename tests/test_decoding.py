@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llama import StreamChunk
 from llama.decoding import BatchDecoder
 from llama.model import ModelArgs
 
@@ -88,6 +89,7 @@ def test_logprobs_are_those_of_the_predicted_tokens():
 def test_streamed_chunks_join_to_the_run_output():
     prompts = [[17, 18], [1, 2]]
     chunks = list(BatchDecoder(CountingModel(), tokenizer()).stream(prompts, 6, 0, 0.9))
+    assert all(isinstance(chunk, StreamChunk) for chunk in chunks)  # the type the package exports
     texts = {i: "".join(c.text for c in chunks if c.index == i) for i in (0, 1)}
     assert texts == {0: "t", 1: "defghi"}  # tokens [19] and [3, ..., 8] as the stand-in decodes them
     last = {c.index: c for c in chunks if c.finished}
