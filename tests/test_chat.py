@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Tuple
 
 import pytest
 
@@ -164,42 +166,54 @@ def read_until(fd, pattern, timeout):
     raise AssertionError(f"did not see {pattern!r} within {timeout} s; got {buffer[-500:]!r}")
 
 
+@contextmanager
+def in_a_terminal(command, sigint):
+    """Run `command` on a pseudo-terminal, started with SIGINT set to `sigint`; yields (pid, the terminal's fd)."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        signal.signal(signal.SIGINT, sigint)
+        os.execv(sys.executable, command)
+    try:
+        yield pid, fd
+    finally:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(fd)
+
+
+def wait_for_exit(pid, fd, timeout) -> Tuple[int, bytes]:
+    """The exit code of `pid` and what it wrote meanwhile; AssertionError if it runs past `timeout` seconds."""
+    output, deadline = b"", time.time() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), output
+        assert time.time() < deadline, f"still running {timeout} s later"
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                output += os.read(fd, 4096)
+            except OSError:
+                pass
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
 def test_ctrl_c_in_a_real_terminal(tiny_checkpoint, tokenizer_path):
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the chat, with a long answer budget so that Ctrl-C arrives mid-answer
-        os.environ["OMP_NUM_THREADS"] = "1"
-        # Started with SIGINT ignored, as from `trap "" INT` or a background job: the chat must set its own
-        # handler. Set here explicitly, so that how the test suite itself was started cannot matter.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        command = chat_command(tiny_checkpoint, tokenizer_path, "--max_seq_len", "2048", "--max_gen_len", "2000")
-        os.execv(sys.executable, command)
-    try:
+    # A long answer budget, so that Ctrl-C arrives mid-answer. Started with SIGINT ignored, as from `trap "" INT`
+    # or a background job: the chat must set its own handler. Set explicitly, so that how the test suite itself
+    # was started cannot matter.
+    command = chat_command(tiny_checkpoint, tokenizer_path, "--max_seq_len", "2048", "--max_gen_len", "2000")
+    with in_a_terminal(command, signal.SIG_IGN) as (pid, fd):
         read_until(fd, rb"User: ", 120)
         os.write(fd, b"Tell me everything\n")
         read_until(fd, rb"Assistant: \S+", 60)
         os.kill(pid, signal.SIGINT)
         read_until(fd, rb"\[stopped\][^\n]*\n\[\d+ tokens in .*\n.*User: ", 60)
         os.write(fd, b"/exit\n")
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                assert os.waitstatus_to_exitcode(status) == 0
-                return
-            try:
-                os.read(fd, 4096)
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError("the chat did not exit after /exit")
-    finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.close(fd)
+        assert wait_for_exit(pid, fd, 30)[0] == 0
 
 
 @pytest.mark.slow
@@ -245,32 +259,13 @@ def test_ctrl_c_under_torchrun_ends_the_chat_at_once(tmp_path, tokenizer_path):
     checkpoint = make_checkpoint(tmp_path / "mp2", n_shards=2, seed=4)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     command = torchrun + chat_command(checkpoint, tokenizer_path, "--max_seq_len", "2048", "--max_gen_len", "2000")[1:]
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.execv(sys.executable, command)
-    try:
+    with in_a_terminal(command, signal.SIG_DFL) as (pid, fd):
         read_until(fd, rb"User: ", 120)
         os.write(fd, b"Tell me everything\n")
         read_until(fd, rb"Assistant: [^\n]*\S", 60)
         os.write(fd, b"\x03")  # Ctrl-C, as typed: SIGINT to the terminal's foreground processes
         after = read_until(fd, rb"the chat ends here\]", 15)
-        deadline = time.time() + 15
-        while not os.waitpid(pid, os.WNOHANG)[0]:
-            assert time.time() < deadline, "torchrun did not end within 15 s of Ctrl-C"
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if ready:
-                try:
-                    after += os.read(fd, 4096)
-                except OSError:
-                    pass
+        after += wait_for_exit(pid, fd, 15)[1]
         tail = after.split(b"^C", 1)[-1]
         assert b"User: " not in tail  # no prompt that would be killed
         assert b"forcefully exiting" not in tail
-    finally:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.close(fd)
