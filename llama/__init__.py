@@ -3,7 +3,7 @@
 from .decoding import StopReason, StreamChunk
 from .generation import ChatPrediction, CompletionPrediction, Llama
 from .model import ModelArgs, Transformer
-from .tokenizer import ChatFormat, Dialog, Message, Role, Tokenizer
+from .tokenizer import ChatFormat, Dialog, Message, Role, Tokenizer, ToolCall
 
 __all__ = [
     "ChatFormat",
@@ -17,5 +17,6 @@ __all__ = [
     "StopReason",
     "StreamChunk",
     "Tokenizer",
+    "ToolCall",
     "Transformer",
 ]

@@ -9,16 +9,14 @@ import codecs
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Literal, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from llama.model import Transformer
 from llama.parallel_layers import use_parallel_layers
-from llama.tokenizer import Tokenizer
-
-StopReason = Literal["end_of_turn", "end_of_message", "length"]
+from llama.tokenizer import StopReason, Tokenizer, ToolCall
 
 # A one-token step: (tokens (bsz, 1), position as a one-element tensor) -> logits (bsz, 1, vocab_size).
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -33,6 +31,7 @@ class StreamChunk:
     finished: bool = False  # this prompt's last chunk
     stop_reason: Optional[StopReason] = None  # set on the last chunk
     n_tokens: int = 0  # tokens generated for this prompt so far
+    tool_calls: Optional[List[ToolCall]] = None  # on a Llama 3.1+ chat answer's last chunk, if it called tools
 
 
 @dataclass

@@ -4,7 +4,7 @@
 """
 
 from datetime import timedelta
-from typing import Iterator, List, Optional, Tuple, TypedDict, Union
+from typing import Dict, Iterator, List, Optional, Tuple, TypedDict, Union
 
 import torch
 
@@ -164,7 +164,7 @@ class Llama:
         """Answer each dialog as the assistant.
 
         Args:
-            dialogs: Conversations, each a list of {"role", "content"} messages.
+            dialogs: Conversations, each a list of {"role", "content"} messages (tool calls: see docs/tools.md).
             temperature: Softmax temperature; 0 means greedy decoding.
             top_p: Nucleus sampling threshold, in (0, 1].
             max_gen_len: The most tokens to generate; None means max_seq_len - 1.
@@ -173,10 +173,10 @@ class Llama:
         Returns:
             One ChatPrediction per dialog: {"generation": {"role": "assistant", "content": text},
             "stop_reason": "end_of_turn" | "end_of_message" | "length"}, plus "tokens" and "logprobs" if asked for.
+            When a Llama 3.1+ model calls tools, the generation also has "stop_reason" and "tool_calls".
 
         Raises:
-            ValueError: for an empty list or dialog, an unknown role, too many or too long dialogs, or a bad
-                parameter.
+            ValueError: for an empty list or dialog, a malformed message, too many or too long dialogs, a bad value.
         """
         prompt_tokens = encode_dialogs(self.formatter, dialogs)
         generation_tokens, generation_logprobs, stop_reasons = self.decoder.run(
@@ -184,7 +184,7 @@ class Llama:
         )
         results: List[ChatPrediction] = []
         for t, logprobs_i, reason in zip(generation_tokens, generation_logprobs, stop_reasons):
-            results.append({"generation": {"role": "assistant", "content": self.tokenizer.decode(t)}})
+            results.append({"generation": assistant_message(self.formatter, t, reason)})
             if logprobs:
                 results[-1].update(self._token_logprobs(t, logprobs_i))
             results[-1]["stop_reason"] = reason
@@ -212,13 +212,15 @@ class Llama:
     ) -> Iterator[StreamChunk]:
         """Like `chat_completion`, but yields each answer's new text as soon as it can be decoded.
 
-        See `text_completion_stream` for the chunks; joined, they equal `chat_completion`'s content.
+        See `text_completion_stream` for the chunks; joined, they are the answer's text (`chat_completion`'s
+        content unless it calls tools), and with Llama 3.1+ the last one carries the answer's `tool_calls`, if any.
 
         Raises:
             ValueError: as `chat_completion`.
         """
         prompt_tokens = encode_dialogs(self.formatter, dialogs)
-        yield from self.decoder.stream(prompt_tokens, self._gen_len(max_gen_len), temperature, top_p)
+        chunks = self.decoder.stream(prompt_tokens, self._gen_len(max_gen_len), temperature, top_p)
+        yield from with_tool_calls(self.formatter, chunks)
 
     def _token_logprobs(self, tokens: List[int], logprobs: List[float]) -> dict:
         """The "tokens" (each decoded alone) and "logprobs" entries of a prediction."""
@@ -262,3 +264,31 @@ def encode_dialogs(formatter: ChatFormat, dialogs: List[Dialog]) -> List[List[in
         if not dialog:
             raise ValueError(f"Dialog {i} is empty; give it at least one message")
     return [formatter.encode_dialog_prompt(dialog) for dialog in dialogs]
+
+
+def assistant_message(formatter: ChatFormat, tokens: List[int], stop_reason: StopReason) -> Message:
+    """The "generation" of one answer: {"role": "assistant", "content": its text}, as the reference gives it. With
+    Llama 3.1+ tokens, an answer that calls tools is the message `ChatFormat.decode_assistant_message` reads instead:
+    empty content, "stop_reason" and "tool_calls" (llama.tools runs them; nothing here does)."""
+    content = formatter.tokenizer.decode(tokens)
+    if formatter.tokenizer.version != "3":
+        message = formatter.decode_assistant_message_from_content(content, stop_reason)
+        if message["tool_calls"]:
+            return message
+    return {"role": "assistant", "content": content}
+
+
+def with_tool_calls(formatter: ChatFormat, chunks: Iterator[StreamChunk]) -> Iterator[StreamChunk]:
+    """`chunks` as they come; with Llama 3.1+ tokens, each answer's last chunk carries the tool calls its whole text
+    makes (as `assistant_message` reads them), or None."""
+    if formatter.tokenizer.version == "3":
+        yield from chunks
+        return
+    texts: Dict[int, List[str]] = {}
+    for chunk in chunks:
+        texts.setdefault(chunk.index, []).append(chunk.text)
+        if chunk.finished:
+            text = "".join(texts.pop(chunk.index))
+            message = formatter.decode_assistant_message_from_content(text, chunk.stop_reason or "length")
+            chunk.tool_calls = message["tool_calls"] or None
+        yield chunk

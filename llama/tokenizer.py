@@ -1,22 +1,48 @@
+import ast
 import binascii
+import json
 import re
+import uuid
+import warnings
 from collections.abc import Collection, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from logging import getLogger
 from pathlib import Path
-from typing import Literal, TypedDict
+from typing import Any, Literal, Optional, TypedDict
 
 import blobfile
 import tiktoken
 
 logger = getLogger(__name__)
 
-Role = Literal["system", "user", "assistant", "ipython"]
+# "tool" is another name for "ipython" (a tool's output): both are written as ipython, as llama-models does.
+Role = Literal["system", "user", "assistant", "ipython", "tool"]
+# Why an answer ended: <|eot_id|>, <|eom_id|> (Llama 3.1+: a tool call awaits its result), or max_gen_len.
+StopReason = Literal["end_of_turn", "end_of_message", "length"]
+STOP_REASONS = ("end_of_turn", "end_of_message", "length")
 
 
-class Message(TypedDict):
+class _ToolCallFields(TypedDict):
+    tool_name: str  # a built-in tool (BUILTIN_TOOLS) or a function's name
+    arguments: dict[str, Any]
+
+
+class ToolCall(_ToolCallFields, total=False):
+    """A tool call made by the assistant (Llama 3.1 and later)."""
+
+    call_id: str  # set on calls read from the model's output; never written into the prompt
+
+
+class _MessageFields(TypedDict):
     role: Role
     content: str
+
+
+class Message(_MessageFields, total=False):
+    """A chat message. Assistant messages of Llama 3.1 and later may also carry tool calls."""
+
+    tool_calls: list[ToolCall]  # written after the content, each call in the chat format
+    stop_reason: StopReason  # "end_of_message" ends the message with <|eom_id|> instead of <|eot_id|>
 
 
 Dialog = Sequence[Message]
@@ -24,8 +50,15 @@ Dialog = Sequence[Message]
 SUPPORTED_VERSIONS = ("3", "3.1")
 # Maximal runs of whitespace, or of anything else; see Tokenizer._split_whitespaces_or_nonwhitespaces.
 _RUNS = re.compile(r"\s+|\S+")
-# Chat roles each version accepts; "ipython" (tool output) arrived with Llama 3.1.
-_ROLES = {"3": ("system", "user", "assistant"), "3.1": ("system", "user", "assistant", "ipython")}
+# Chat roles each version accepts; "ipython" (tool output, alias "tool") arrived with Llama 3.1.
+_ROLES = {"3": ("system", "user", "assistant"), "3.1": ("system", "user", "assistant", "ipython", "tool")}
+
+# The tools Llama 3.1+ was trained to call by name. The first three are called as `name.call(query="...")`, the
+# code interpreter by writing Python code after <|python_tag|>.
+BUILTIN_TOOLS = ("brave_search", "wolfram_alpha", "photogen", "code_interpreter")
+_QUERY_TOOLS = ("brave_search", "wolfram_alpha", "photogen")
+# How calls to custom tools (functions) are written back into a prompt; llama-models' default is "json".
+TOOL_PROMPT_FORMATS = ("json", "function_tag", "python_list")
 
 
 def _special_token_names(version: str, num_reserved: int) -> list[str]:
@@ -259,13 +292,34 @@ class Tokenizer:
 
 
 class ChatFormat:
-    """Encodes messages and dialogs in the Llama 3 chat format."""
+    """Writes messages and dialogs in the Llama 3 chat format, tool calls included (Llama 3.1 and later), and reads
+    an assistant's answer back into a message with its tool calls."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, *, tool_prompt_format: str = "json", strip_content: bool = True):
+        """Sets up the format for `tokenizer`'s special tokens and chat roles.
+
+        Args:
+            tokenizer (Tokenizer): The tokenizer; its version decides the roles and tokens available.
+            tool_prompt_format (str): How calls to custom tools in assistant messages are written: "json" (the
+                default, as llama-models writes them), "function_tag" or "python_list". Built-in tools are
+                always written in their own format.
+            strip_content (bool): Strip whitespace around each message's content, as Meta's Llama 3 reference
+                does (the default, and what `Llama` uses). False keeps content as given, as llama-models does;
+                the two agree on content with no whitespace at either end.
+
+        Raises:
+            ValueError: If `tool_prompt_format` is not one of `TOOL_PROMPT_FORMATS`.
+        """
+        if tool_prompt_format not in TOOL_PROMPT_FORMATS:
+            raise ValueError(f"Unknown tool_prompt_format {tool_prompt_format!r}; use one of {TOOL_PROMPT_FORMATS}")
         self.tokenizer = tokenizer
+        self.tool_prompt_format = tool_prompt_format
+        self.strip_content = strip_content
 
     def encode_header(self, message: Message) -> list[int]:
         """Encodes `<|start_header_id|>` role `<|end_header_id|>` and the blank line after it.
+
+        The "tool" role is written as "ipython", the role Llama 3.1 was trained with.
 
         Args:
             message (Message): The message whose role to encode; its content is ignored.
@@ -279,16 +333,23 @@ class ChatFormat:
         role = message["role"]
         allowed = _ROLES[self.tokenizer.version]
         if role not in allowed:
-            hint = ' (the "ipython" role needs a Tokenizer with version="3.1")' if role == "ipython" else ""
+            needs_31 = role in _ROLES["3.1"]
+            hint = f' (the "{role}" role needs a Tokenizer with version="3.1")' if needs_31 else ""
             raise ValueError(f"Unknown message role {role!r}; allowed roles are {list(allowed)}{hint}")
         tokens = [self.tokenizer.special_tokens["<|start_header_id|>"]]
-        tokens.extend(self.tokenizer.encode(role, bos=False, eos=False))
+        tokens.extend(self.tokenizer.encode("ipython" if role == "tool" else role, bos=False, eos=False))
         tokens.append(self.tokenizer.special_tokens["<|end_header_id|>"])
         tokens.extend(self.tokenizer.encode("\n\n", bos=False, eos=False))
         return tokens
 
     def encode_message(self, message: Message) -> list[int]:
-        """Encodes a message: its header, its content stripped of surrounding whitespace, then `<|eot_id|>`.
+        """Encodes a message: its header, its content stripped of surrounding whitespace (unless `strip_content` is
+        False), then `<|eot_id|>`.
+
+        An assistant message may carry `tool_calls` (Llama 3.1+). Each call is written after the content and
+        tokenized on its own, as llama-models does: built-in search tools as `name.call(query="...")`, the code
+        interpreter as its code after a leading `<|python_tag|>`, custom tools in `tool_prompt_format`. With
+        `"stop_reason": "end_of_message"` the message ends with `<|eom_id|>` instead of `<|eot_id|>`.
 
         Args:
             message (Message): The message to encode.
@@ -297,8 +358,8 @@ class ChatFormat:
             list[int]: The message's token IDs.
 
         Raises:
-            ValueError: If the message has no role or content, the role is not allowed, or the content is not a
-                str.
+            ValueError: If the message has no role or content, the role is not allowed, the content is not a str,
+                or its tool calls or stop reason are malformed or need Llama 3.1 tokens.
         """
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             shown = repr(message) if len(repr(message)) <= 200 else repr(message)[:200] + "..."
@@ -308,8 +369,13 @@ class ChatFormat:
         if not isinstance(content, str):
             # ValueError, like every other malformed-message error, so callers catch one type.
             raise ValueError(f"Message content must be a str, got {type(content).__name__}")  # noqa: TRY004
-        tokens.extend(self.tokenizer.encode(content.strip(), bos=False, eos=False))
-        tokens.append(self.tokenizer.special_tokens["<|eot_id|>"])
+        tool_calls, end_of_message = _check_assistant_fields(message, self.tokenizer.version)
+        if tool_calls and tool_calls[0]["tool_name"] == "code_interpreter":
+            tokens.append(self.tokenizer.special_tokens["<|python_tag|>"])
+        tokens.extend(self.tokenizer.encode(content.strip() if self.strip_content else content, bos=False, eos=False))
+        for call in tool_calls:
+            tokens.extend(self.tokenizer.encode(encode_tool_call(call, self.tool_prompt_format), bos=False, eos=False))
+        tokens.append(self.tokenizer.special_tokens["<|eom_id|>" if end_of_message else "<|eot_id|>"])
         return tokens
 
     def encode_dialog_prompt(self, dialog: Dialog) -> list[int]:
@@ -323,10 +389,293 @@ class ChatFormat:
             list[int]: The prompt's token IDs.
 
         Raises:
-            ValueError: If a message has a role that is not allowed or content that is not a str.
+            ValueError: If a message cannot be encoded (see `encode_message`).
         """
         tokens = [self.tokenizer.special_tokens["<|begin_of_text|>"]]
         for message in dialog:
             tokens.extend(self.encode_message(message))
         tokens.extend(self.encode_header({"role": "assistant", "content": ""}))
         return tokens
+
+    def decode_assistant_message(self, tokens: Sequence[int], stop_reason: StopReason) -> Message:
+        """Reads generated tokens back into an assistant message, with the tool calls they make.
+
+        See `decode_assistant_message_from_content`, which this calls on the tokens' text.
+
+        Args:
+            tokens (Sequence[int]): The answer's token IDs, with or without its final stop token.
+            stop_reason (StopReason): Why generation stopped; a final `<|eot_id|>` or `<|eom_id|>` overrides it.
+
+        Returns:
+            Message: {"role": "assistant", "content", "stop_reason", "tool_calls"}.
+
+        Raises:
+            ValueError: If `stop_reason` is not one of `STOP_REASONS`.
+        """
+        return self.decode_assistant_message_from_content(self.tokenizer.decode(tokens), stop_reason)
+
+    def decode_assistant_message_from_content(self, content: str, stop_reason: StopReason) -> Message:
+        """Reads an answer's text into an assistant message, finding tool calls as llama-models does.
+
+        Spaces around the text, a leading assistant header and a leading `<|python_tag|>` are removed, and a
+        final `<|eot_id|>` or `<|eom_id|>` sets the stop reason. Then the first of these that matches is the
+        call: `<function=name>{json}</function>`; the whole text as a JSON object with "name" and "parameters";
+        the whole text as a Python list of calls with keyword arguments, `[f(a=1), g(b="x")]` (every call is
+        returned); `name.call(query="...")` anywhere in the text; and, after `<|python_tag|>`, the text as code
+        for the code interpreter. A custom-tool form whose name is a built-in tool becomes that tool's call with
+        {"query": first argument}. When a call is found the content is empty. Nothing is ever run, and text
+        that is not a well-formed call stays content: this never raises on the text.
+
+        Args:
+            content (str): The answer as text, as `Tokenizer.decode` gives it.
+            stop_reason (StopReason): Why generation stopped; a final `<|eot_id|>` or `<|eom_id|>` overrides it.
+
+        Returns:
+            Message: {"role": "assistant", "content", "stop_reason", "tool_calls"}; "tool_calls" may be empty.
+                Each call has a fresh "call_id".
+
+        Raises:
+            ValueError: If `stop_reason` is not one of `STOP_REASONS` or `content` is not a str.
+        """
+        if stop_reason not in STOP_REASONS:
+            raise ValueError(f"stop_reason must be one of {STOP_REASONS}, got {stop_reason!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"content must be a str, got {type(content).__name__}")  # noqa: TRY004
+        content = content.strip(" ")
+        if content.startswith(_ASSISTANT_HEADER):
+            content = content[len(_ASSISTANT_HEADER) :]
+        python_tag = content.startswith("<|python_tag|>")
+        if python_tag:
+            content = content[len("<|python_tag|>") :]
+        for end, reason in (("<|eot_id|>", "end_of_turn"), ("<|eom_id|>", "end_of_message")):
+            if content.endswith(end):
+                content, stop_reason = content[: -len(end)], reason
+                break
+        tool_calls = parse_tool_calls(content, python_tag=python_tag)
+        return {
+            "role": "assistant",
+            "content": "" if tool_calls else content,
+            "stop_reason": stop_reason,
+            "tool_calls": tool_calls,
+        }
+
+
+def check_tool_call(call: ToolCall) -> None:
+    """Raises a ValueError that says what is wrong with a tool call given in a message, if anything.
+
+    A call is a dict with "tool_name" (a non-empty str) and "arguments" (a dict), and optionally "call_id". The
+    built-in search tools need a "query" argument, the code interpreter a "code" argument that is a str.
+    """
+    if not isinstance(call, dict):
+        raise ValueError(f"A tool call must be a dict with 'tool_name' and 'arguments', got {call!r:.200}")
+    name = call.get("tool_name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"A tool call needs a 'tool_name' that is a non-empty str; got {call!r:.200}")
+    arguments = call.get("arguments")
+    if not isinstance(arguments, dict):
+        raise ValueError(f"The call to {name!r} needs 'arguments' that is a dict, got {arguments!r:.200}")
+    if name in _QUERY_TOOLS and "query" not in arguments:
+        raise ValueError(f"The call to the built-in tool {name!r} needs a 'query' argument, got {arguments!r:.200}")
+    if name == "code_interpreter" and not isinstance(arguments.get("code"), str):
+        raise ValueError(f"The call to 'code_interpreter' needs a 'code' argument (a str), got {arguments!r:.200}")
+
+
+def encode_tool_call(call: ToolCall, tool_prompt_format: str = "json") -> str:
+    """The text of a tool call as an assistant message holds it (llama-models' forms).
+
+    `brave_search`, `wolfram_alpha` and `photogen`: `name.call(query="...")`. `code_interpreter`: the code itself
+    (the message puts `<|python_tag|>` before its content). Any other tool, by `tool_prompt_format`:
+    "json": `{"type": "function", "name": ..., "parameters": ...}` as `json.dumps` writes it with its defaults;
+    "function_tag": `<function=name>{json arguments}</function>`; "python_list": `[name(a="x", b=2)]`.
+
+    Args:
+        call (ToolCall): The call.
+        tool_prompt_format (str): One of `TOOL_PROMPT_FORMATS`.
+
+    Returns:
+        str: The call's text, to be tokenized on its own.
+
+    Raises:
+        ValueError: If the call is malformed (see `check_tool_call`), its arguments cannot be written in the
+            format, or the format is unknown.
+    """
+    check_tool_call(call)
+    name, arguments = call["tool_name"], call["arguments"]
+    if name in _QUERY_TOOLS:
+        return f'{name}.call(query="{arguments["query"]}")'
+    if name == "code_interpreter":
+        return arguments["code"]
+    try:
+        if tool_prompt_format == "json":
+            return json.dumps({"type": "function", "name": name, "parameters": arguments})
+        if tool_prompt_format == "function_tag":
+            return f"<function={name}>{json.dumps(arguments)}</function>"
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"The arguments of the call to {name!r} cannot be written as JSON: {e}") from None
+    if tool_prompt_format == "python_list":
+        return f"[{name}({', '.join(f'{key}={_python_value(value)}' for key, value in arguments.items())})]"
+    raise ValueError(f"Unknown tool_prompt_format {tool_prompt_format!r}; use one of {TOOL_PROMPT_FORMATS}")
+
+
+def parse_tool_calls(text: str, python_tag: bool = False) -> list[ToolCall]:
+    """The tool calls in an answer's text, by the rules of `ChatFormat.decode_assistant_message_from_content`.
+
+    Args:
+        text (str): The answer, without its leading `<|python_tag|>` and final stop token.
+        python_tag (bool): Whether the answer began with `<|python_tag|>`: then text that is no other call is
+            code for the code interpreter.
+
+    Returns:
+        list[ToolCall]: The calls found, each with a fresh "call_id"; empty if there are none.
+    """
+    found = _custom_tool_calls(text)
+    if found is None:
+        match = _BUILTIN_CALL.search(text)
+        if match:
+            found = [(match["tool_name"], {"query": match["query"]})]
+        elif python_tag:
+            found = [("code_interpreter", {"code": text})]
+        else:
+            found = []
+    return [{"call_id": str(uuid.uuid4()), "tool_name": name, "arguments": arguments} for name, arguments in found]
+
+
+_ASSISTANT_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+# A built-in search tool's call; any word before ".call" is taken as the tool's name.
+_BUILTIN_CALL = re.compile(r'\b(?P<tool_name>\w+)\.call\(query="(?P<query>[^"]*)"\)')
+# <function=name>{...}: the arguments up to the first "}" (a nested object is then read in full, see below).
+_FUNCTION_TAG = re.compile(r"<function=(?P<name>[^}]+)>(?P<args>{.*?})")
+_Calls = Optional[list[tuple[str, dict]]]
+
+
+def _check_assistant_fields(message: Message, version: str) -> tuple[list[ToolCall], bool]:
+    """A message's tool calls (checked) and whether it ends with <|eom_id|>; only assistant messages have them."""
+    tool_calls = message.get("tool_calls") or []
+    stop_reason = message.get("stop_reason")
+    if not isinstance(tool_calls, (list, tuple)):
+        raise ValueError(f"'tool_calls' must be a list of tool calls, got {type(tool_calls).__name__}")
+    if message["role"] != "assistant" and (tool_calls or stop_reason is not None):
+        raise ValueError(
+            f"Only assistant messages carry 'tool_calls' or 'stop_reason'; this message's role is {message['role']!r}"
+        )
+    if stop_reason is not None and stop_reason not in STOP_REASONS:
+        raise ValueError(f"'stop_reason' must be one of {STOP_REASONS}, got {stop_reason!r}")
+    if version == "3" and (tool_calls or stop_reason == "end_of_message"):
+        raise ValueError(
+            'Tool calls and "stop_reason": "end_of_message" (<|eom_id|>) need a Tokenizer with version="3.1" '
+            "(Llama 3.1 and later)"
+        )
+    for call in tool_calls:
+        check_tool_call(call)
+    return list(tool_calls), stop_reason == "end_of_message"
+
+
+def _python_value(value: Any) -> str:
+    """A call argument as the "python_list" format writes it (llama-models' rules: strings in double quotes as they
+    are, dicts as {key=value})."""
+    if isinstance(value, str):
+        return f'"{value}"'
+    if value is None or isinstance(value, (bool, int, float)):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return f"[{', '.join(_python_value(v) for v in value)}]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}={_python_value(v)}" for k, v in value.items()) + "}"
+    raise ValueError(f"A tool call argument of type {type(value).__name__} cannot be written as a Python value")
+
+
+def _custom_tool_calls(text: str) -> _Calls:
+    """Calls in one of the custom-tool forms (function tag, JSON object, Python list), or None."""
+    match = _FUNCTION_TAG.search(text)
+    if match:
+        arguments = _tag_arguments(text, match)
+        calls = None if arguments is None else [(match["name"], arguments)]
+    elif (obj := _json_object(text)) is not None:
+        calls = None
+        if obj.get("type") == "function" or "name" in obj:
+            name, parameters = obj.get("name"), obj.get("parameters")
+            if isinstance(name, str) and name and isinstance(parameters, dict):
+                calls = [(name, parameters)]
+    else:
+        calls = _python_list_calls(text)
+    if calls is None:
+        return None
+    calls = [_builtin_as_called(name, arguments) for name, arguments in calls]
+    return None if None in calls else calls
+
+
+def _builtin_as_called(name: str, arguments: dict) -> Optional[tuple[str, dict]]:
+    """A built-in tool called in a custom-tool form takes its first argument as the query (None: it has none)."""
+    if name not in BUILTIN_TOOLS:
+        return name, arguments
+    return (name, {"query": next(iter(arguments.values()))}) if arguments else None
+
+
+def _tag_arguments(text: str, match: re.Match) -> Optional[dict]:
+    """The JSON object after `<function=name>`: as matched, else read in full from its "{" (the match ends at the
+    first "}", inside any nested object), else with single quotes read as double ones."""
+    attempts = (
+        lambda: json.loads(match["args"]),
+        lambda: json.JSONDecoder().raw_decode(text, match.start("args"))[0],
+        lambda: json.loads(match["args"].replace("'", '"')),
+    )
+    for attempt in attempts:
+        try:
+            value = attempt()
+        except (ValueError, RecursionError):
+            continue
+        return value if isinstance(value, dict) else None
+    return None
+
+
+def _json_object(text: str) -> Optional[dict]:
+    """`text` read as one JSON object, or None."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _python_list_calls(text: str) -> _Calls:
+    """The calls of `text` read as a Python list of calls with keyword arguments of literal values, or None.
+
+    Nothing is evaluated: the text is parsed, and only literals (strings, numbers, booleans, None, and lists and
+    dicts of them) are read.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. SyntaxWarning for an invalid escape in a string
+            tree = ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr):
+        return None
+    expr = tree.body[0].value
+    if not isinstance(expr, ast.List) or not expr.elts:
+        return None
+    calls = []
+    for call in expr.elts:
+        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
+            return None
+        arguments = {}
+        for keyword in call.keywords:
+            if keyword.arg is None:  # **kwargs
+                return None
+            try:
+                arguments[keyword.arg] = _plain(ast.literal_eval(keyword.value))
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                return None
+        calls.append((call.func.id, arguments))
+    return calls
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON data (tuples become lists); a ValueError for anything else (sets, bytes, complex numbers)."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _plain(v) for k, v in value.items()}
+    raise ValueError(f"not JSON data: {type(value).__name__}")

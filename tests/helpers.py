@@ -179,3 +179,32 @@ def with_reference_attention(model):
     for layer in model.layers:
         layer.attention.forward = types.MethodType(reference_attention_forward, layer.attention)
     return model
+
+
+# A stand-in model that says what it is told --------------------------------------------------------------
+
+
+class ScriptedModel(torch.nn.Module):
+    """Stands in for the Transformer: after any input, its logits pick the next token of `script`.
+
+    Every row of a batch gets the same script; `prompt_len` is where the script starts (the prompts' length).
+    """
+
+    def __init__(self, script, vocab_size, max_seq_len=64, prompt_len=0):
+        from llama.model import ModelArgs
+
+        super().__init__()
+        self.params = ModelArgs(dim=8, n_heads=1, vocab_size=vocab_size, max_seq_len=max_seq_len, max_batch_size=4)
+        self.tok_embeddings = torch.nn.Embedding(1, 1)
+        self.script = script
+        self.prompt_len = prompt_len
+
+    def forward(self, tokens, start_pos, last_logits_only=False):
+        bsz, seqlen = tokens.shape
+        logits = torch.zeros(bsz, seqlen, self.params.vocab_size)
+        for row in range(bsz):
+            for i in range(seqlen):
+                step = start_pos + i + 1 - self.prompt_len
+                if 0 <= step < len(self.script):
+                    logits[row, i, self.script[step]] = 100.0
+        return logits[:, -1:] if last_logits_only else logits

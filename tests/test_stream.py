@@ -2,30 +2,10 @@
 
 import pytest
 import torch
-from torch import nn
+from helpers import ScriptedModel
 
-from llama import Llama, ModelArgs
+from llama import Llama
 from llama.tokenizer import Tokenizer
-
-
-class ScriptedModel(nn.Module):
-    """Stands in for the Transformer: after any input, its logits pick the next token of `script`."""
-
-    def __init__(self, script, vocab_size, max_seq_len=64):
-        super().__init__()
-        self.params = ModelArgs(dim=8, n_heads=1, vocab_size=vocab_size, max_seq_len=max_seq_len, max_batch_size=4)
-        self.tok_embeddings = nn.Embedding(1, 1)
-        self.script = script
-
-    def forward(self, tokens, start_pos, last_logits_only=False):
-        bsz, seqlen = tokens.shape
-        logits = torch.zeros(bsz, seqlen, self.params.vocab_size)
-        for row in range(bsz):
-            for i in range(seqlen):
-                step = start_pos + i + 1 - self.prompt_len
-                if 0 <= step < len(self.script):
-                    logits[row, i, self.script[step]] = 100.0
-        return logits[:, -1:] if last_logits_only else logits
 
 
 def is_utf8(data: bytes) -> bool:
