@@ -1,7 +1,7 @@
 """Checkpoint I/O in one place: Meta and Hugging Face folders, and each model-parallel rank's slice of them.
 
 Both formats are read through a `CheckpointReader`, which names tensors with Meta's keys and knows their
-full (unsharded) shapes. `load_rank_weights` then cuts out what one rank of a model-parallel group needs,
+full (unsharded) shapes. `rank_weights` then cuts out what one rank of a model-parallel group needs,
 whatever the number of shards on disk: that is how an 8-shard 70B runs on 2 GPUs, or a 1-shard 8B on 2.
 """
 
@@ -20,10 +20,12 @@ from typing import Dict, Iterator, List, Optional, Tuple, Union
 import blobfile
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
+from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
 from llama.model import FeedForward, ModelArgs, Transformer
+from llama.quantize import check_device, check_scheme, quantize_layer
 from llama.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -484,15 +486,16 @@ def model_args_from(params: dict, **overrides) -> Tuple[ModelArgs, List[str]]:
     return ModelArgs(**{k: v for k, v in params.items() if k in known}, **overrides), ignored
 
 
-def load_rank_weights(
+def rank_weights(
     reader: CheckpointReader,
     expected_shapes: Dict[str, torch.Size],
     mp_rank: int,
     mp_size: int,
     dtype: torch.dtype,
     device: torch.device,
-) -> Dict[str, torch.Tensor]:
-    """This rank's weights, keyed like `expected_shapes` (the model's own state dict), on `device` in `dtype`.
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """This rank's weights, keyed like `expected_shapes` (the model's own state dict), on `device` in `dtype`,
+    read one at a time as the caller asks for them (the keys and shapes are all checked first).
 
     Raises:
         ValueError: when keys are missing or unexpected, or a shape does not match the model.
@@ -507,24 +510,25 @@ def load_rank_weights(
             f"missing keys {missing[:10]}{' ...' if len(missing) > 10 else ''}, "
             f"unexpected keys {unexpected[:10]}{' ...' if len(unexpected) > 10 else ''}"
         )
-    weights = {}
     for key, local_shape in expected_shapes.items():
-        if key == "output.weight" and tied:
-            continue  # the embedding, loaded under its own name
         dim = split_dim(key)
         full_shape = list(local_shape)
         if dim is not None:
             full_shape[dim] *= mp_size
-        if list(reader.shapes[key]) != full_shape:
+        if not (key == "output.weight" and tied) and list(reader.shapes[key]) != full_shape:
             raise ValueError(
                 f"{key} in {reader.source(key)} has shape {tuple(reader.shapes[key])}, "
                 f"but the model built from the checkpoint's config expects {tuple(full_shape)}"
             )
-        tensor = reader.read_shard(key, mp_rank, mp_size, dtype)
-        weights[key] = tensor.to(device=device, dtype=dtype).contiguous()
-    if tied:
-        weights["output.weight"] = weights["tok_embeddings.weight"]
-    return weights
+    embedding = None
+    for key in expected_shapes:
+        if key == "output.weight" and tied:
+            yield key, embedding  # the embedding, loaded under its own name
+            continue
+        tensor = reader.read_shard(key, mp_rank, mp_size, dtype).to(device=device, dtype=dtype).contiguous()
+        if key == "tok_embeddings.weight":
+            embedding = tensor
+        yield key, tensor
 
 
 class AllocateOnMeta(TorchDispatchMode):
@@ -549,15 +553,29 @@ def load_model(
     mp_size: int,
     device: torch.device,
     dtype: torch.dtype,
+    quantize: Optional[str] = None,
+    group_size: Optional[int] = None,
 ) -> Transformer:
     """The Transformer with this rank's weights, as Meta's code builds it (fairscale's layers), without a throwaway
-    random initialisation: built on the meta device, then given the checkpoint's tensors, strictly."""
+    random initialisation: built on the meta device, then given the checkpoint's tensors, strictly.
+
+    With `quantize`, each linear layer is quantized as soon as its weight is read (`llama.quantize`), so that at
+    most one layer's weight is held in `dtype` at a time.
+    """
     check_model_parallel_size(model_args, mp_size, len(reader.files) if isinstance(reader, MetaCheckpoint) else None)
     with AllocateOnMeta():
         model = Transformer(model_args)
     expected_shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
-    weights = load_rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device)
-    model.load_state_dict(weights, strict=True, assign=True)
+    weights = {}
+    for key, tensor in rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device):
+        name = key.removesuffix(".weight")
+        layer = model.get_submodule(name)
+        if quantize and isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+            layer.weight = torch.nn.Parameter(tensor, requires_grad=False)
+            model.set_submodule(name, quantize_layer(layer, quantize, group_size))
+        else:
+            weights[key] = tensor
+    model.load_state_dict(weights, strict=not quantize, assign=True)
     model.init_kv_caches(device, dtype)
     return model.eval()
 
@@ -573,6 +591,7 @@ def load_checkpoint(
     dtype: Union[str, torch.dtype, None],
     version: Optional[str],
     timeout: timedelta,
+    quantize: Optional[str] = None,
 ) -> Tuple[Transformer, Tokenizer]:
     """The load sequence of `Llama.build` (see its docstring for the arguments): check the arguments against the
     checkpoint, join the process group, seed, read the tokenizer and this rank's weights."""
@@ -588,7 +607,13 @@ def load_checkpoint(
         raise ValueError(
             f"max_seq_len={max_seq_len} exceeds this checkpoint's context of {model_args.context_len} tokens"
         )
+    if quantize is not None:
+        check_scheme(quantize)
+        if dtype is None and device.type == "cpu":
+            dtype = torch.bfloat16  # what the CPU's weight-only kernels run fastest with
     dtype = resolve_dtype(reader.dtype if dtype is None and reader.format == "hf" else dtype, device)
+    if quantize is not None:
+        check_device(device, quantize, dtype)
 
     start_time = time.time()
     model_parallel_size = init_model_parallel(device, model_parallel_size, timeout)
@@ -604,7 +629,8 @@ def load_checkpoint(
             f"({tokenizer.n_words} tokens in {tokenizer_path}); use the tokenizer.model that came with it"
         )
     check_kv_cache_fits(model_args, model_parallel_size, device, dtype)
-    model = load_model(reader, model_args, fs_init.get_model_parallel_rank(), model_parallel_size, device, dtype)
+    mp_rank = fs_init.get_model_parallel_rank()
+    model = load_model(reader, model_args, mp_rank, model_parallel_size, device, dtype, quantize)
     if global_rank() == 0:  # the reference prints this line; other processes load the same way, silently
         print(f"Loaded in {time.time() - start_time:.2f} seconds")
     return model, tokenizer

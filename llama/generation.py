@@ -45,6 +45,7 @@ class Llama:
         version: Optional[str] = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         compile: bool = False,
+        quantize: Optional[str] = None,
     ) -> "Llama":
         """Load a checkpoint and its tokenizer into a generator, in this process's share of the model.
 
@@ -64,9 +65,8 @@ class Llama:
                 checkpoints with scaled RoPE (Llama 3.1 and later), else "3".
             timeout: How long a process waits for the others in a collective before it fails.
             compile: Decode with a compiled step (torch.compile; CUDA graphs on CUDA), see `compile_decode_step`.
-
-        Returns:
-            Llama: the model and tokenizer, ready to generate.
+            quantize: "int8" or "int4": the linear layers' weights, quantized as they load (see docs/quantize.md);
+                dtype then defaults to bfloat16 on the CPU too.
 
         Raises:
             FileNotFoundError: when ckpt_dir, params.json/config.json, a shard or the tokenizer is missing.
@@ -74,7 +74,7 @@ class Llama:
         """
         model, tokenizer = load_checkpoint(
             ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size, seed,
-            device, dtype, version, timeout,
+            device, dtype, version, timeout, quantize,
         )  # fmt: skip
         # Runtime choices, all made here: faster layers of the same weights and math, the compiled step if asked.
         generator = Llama(use_inference_layers(model), tokenizer)
