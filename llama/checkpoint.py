@@ -190,8 +190,6 @@ class MetaCheckpoint(CheckpointReader):
     def source(self, key: str) -> str:
         return ", ".join(f.name for f in self.files)
 
-
-
     def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None, dtype=None):
         if dim is None:
             return self.shards[0][key]

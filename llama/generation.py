@@ -17,6 +17,7 @@ from llama.tokenizer import ChatFormat, Dialog, Message, Tokenizer
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 
+
 class CompletionPrediction(TypedDict, total=False):
     generation: str
     tokens: List[str]  # with logprobs=True
@@ -250,7 +251,6 @@ def encode_prompts(tokenizer: Tokenizer, prompts: List[str]) -> List[List[int]]:
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"Prompt {i} is {'empty' if prompt == '' else 'not a string'}: {prompt!r}")
     return [tokenizer.encode(x, bos=True, eos=False) for x in prompts]
-
 
 
 def encode_dialogs(formatter: ChatFormat, dialogs: List[Dialog]) -> List[List[int]]:

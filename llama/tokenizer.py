@@ -232,9 +232,7 @@ class Tokenizer:
         )
         t: list[int] = []
         for substr in substrs:
-            t.extend(
-                self.model.encode(substr, allowed_special=allowed_special, disallowed_special=disallowed_special)
-            )
+            t.extend(self.model.encode(substr, allowed_special=allowed_special, disallowed_special=disallowed_special))
         if bos:
             t.insert(0, self.bos_id)
         if eos:
