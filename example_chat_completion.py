@@ -18,6 +18,7 @@ def main(
     device: str = None,
     dtype: str = None,
     compile: bool = False,
+    quantize: str = None,
     interactive: bool = False,
     system_prompt: str = None,
 ):
@@ -46,6 +47,8 @@ def main(
             compiles, so it pays off on CUDA for longer runs.
         interactive: Skip the sample dialogs and chat with the model in the terminal.
         system_prompt: With --interactive, a system message that opens the conversation.
+        quantize: "int8" or "int4": keep the linear layers' weights in 8 or 4 bits, quantized as they load;
+            about 2x or 4x less memory than bfloat16 and faster decoding. On the CPU, dtype then defaults to bfloat16.
     """
     check_sampling(temperature, top_p, max_gen_len)  # before the minutes a load can take
     if int(os.environ.get("RANK", "0")) > 0:
@@ -60,6 +63,7 @@ def main(
         device=device,
         dtype=dtype,
         compile=compile,
+        quantize=quantize,
     )
     if interactive:
         run_chat(generator, system_prompt, temperature, top_p, max_gen_len)

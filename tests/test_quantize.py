@@ -1,0 +1,145 @@
+"""Weight-only quantization (llama/quantize.py): the rounding error each scheme promises, the kernels against the
+dequantized weights' math, layers int4 cannot hold, `quantize_model` on a model built as Meta's code builds it,
+`Llama.build(quantize=)`, and clear errors. Accuracy on a trained model: test_quantize_accuracy.py; 1 versus 2
+processes: test_parallel.py.
+"""
+
+import pytest
+import torch
+from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from helpers import GQA_PARAMS
+
+from llama import Llama
+from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
+from llama.demo import random_weights
+from llama.generation import use_inference_layers
+from llama.model import Transformer
+from llama.quantize import (
+    Int4Linear,
+    Int8Linear,
+    dequantize,
+    quantize_int4,
+    quantize_int8,
+    quantize_layer,
+    quantize_model,
+)
+
+
+def random_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def test_int8_rounds_each_weight_to_the_nearest_step_of_its_row():
+    weight = random_weight(64, 96)
+    weight[3] = 0  # a row of zeros must not divide by zero
+    q, scales = quantize_int8(weight, torch.float32)
+    assert q.dtype == torch.int8 and q.abs().max() == 127  # the largest magnitude of a row maps to +-127
+    error = (dequantize(q, scales) - weight).abs()
+    assert (error <= scales[:, None] / 2 + 1e-7).all()
+    assert torch.equal(dequantize(q, scales)[3], torch.zeros(96))
+
+
+def test_int4_rounds_each_weight_to_the_nearest_of_16_levels_of_its_group():
+    weight = random_weight(32, 128)
+    q, scales, zeros = quantize_int4(weight, 32, torch.float32)
+    assert scales.shape == zeros.shape == (32, 4)
+    assert q.min() == 0 and q.max() == 15
+    error = (dequantize(q, scales, zeros) - weight).abs()
+    assert (error <= scales.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
+
+
+def fairscale_layer(kind, in_features: int, out_features: int, weight: torch.Tensor):
+    if kind is RowParallelLinear:
+        layer = kind(in_features, out_features, bias=False, input_is_parallel=True, init_method=lambda x: x)
+    else:
+        layer = kind(in_features, out_features, bias=False, gather_output=False, init_method=lambda x: x)
+    layer.weight.data.copy_(weight)
+    return layer
+
+
+@pytest.mark.parametrize("kind", [ColumnParallelLinear, RowParallelLinear], ids=["column", "row"])
+@pytest.mark.parametrize(
+    "shape, scheme, expected_type, group_size",
+    [
+        ((64, 256), "int8", Int8Linear, None),
+        ((64, 256), "int4", Int4Linear, 64),
+        ((48, 576), "int4", Int4Linear, 64),  # SmolLM2's width: 576 = 9 x 64, not a multiple of 128
+        ((32, 96), "int4", Int4Linear, 32),  # 96 = 3 x 32
+        ((32, 40), "int4", Int8Linear, None),  # no int4 group divides 40: the layer is int8
+        ((40, 64), "int4", Int8Linear, None),  # the int4 CPU kernel takes outputs in multiples of 16 only
+    ],
+)
+def test_quantized_layer_computes_with_the_dequantized_weight(
+    process_group, kind, shape, scheme, expected_type, group_size
+):
+    rows, cols = shape
+    weight = random_weight(rows, cols, seed=rows + cols)
+    layer = quantize_layer(fairscale_layer(kind, cols, rows, weight), scheme)
+    assert type(layer) is expected_type
+    if expected_type is Int4Linear:
+        assert layer.group_size == group_size
+        q, scales, zeros = quantize_int4(weight, group_size, torch.float32)
+        expected_weight = dequantize(q, scales, zeros)
+    else:
+        expected_weight = dequantize(*quantize_int8(weight, torch.float32))
+    x = torch.randn(2, 3, cols, generator=torch.Generator().manual_seed(1))
+    out = layer(x)
+    assert out.shape == (2, 3, rows)
+    torch.testing.assert_close(out, x @ expected_weight.t(), atol=1e-4, rtol=1e-4)
+    assert (out - x @ weight.t()).abs().max() > 0  # quantized, not the float weight
+
+
+def tiny_reader(tmp_path, seed: int = 3):
+    write_meta_checkpoint(tmp_path / "ckpt", GQA_PARAMS, random_weights(GQA_PARAMS, seed))
+    reader = open_checkpoint(tmp_path / "ckpt")
+    return reader, model_args_from(reader.params, max_seq_len=32, max_batch_size=2)[0]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantize_model_on_a_model_built_the_reference_way(process_group, tmp_path, scheme):
+    """Meta's way (Transformer(args), load_state_dict, fairscale layers) then quantize_model gives the logits that
+    quantizing at load gives, and every linear layer and the head are quantized."""
+    reader, args = tiny_reader(tmp_path)
+    reference = Transformer(args)
+    reference.load_state_dict({key: reader.read(key).to(torch.bfloat16) for key in reader.shapes})
+    reference = quantize_model(reference.to(torch.bfloat16), scheme)
+    quantized_types = (Int8Linear, Int4Linear)
+    assert sum(isinstance(m, quantized_types) for m in reference.modules()) == 7 * args.n_layers + 1
+    assert reference.tok_embeddings.weight.dtype == torch.bfloat16  # the embedding table is not quantized
+
+    loaded = use_inference_layers(load_model(reader, args, 0, 1, torch.device("cpu"), torch.bfloat16, quantize=scheme))
+    tokens = torch.randint(0, args.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    expected = reference(tokens, 0)
+    torch.testing.assert_close(loaded(tokens, 0), expected, atol=0, rtol=0)
+
+    float_model = use_inference_layers(load_model(reader, args, 0, 1, torch.device("cpu"), torch.bfloat16))
+    float_logits = float_model(tokens, 0)
+    relative_error = ((expected - float_logits).norm() / float_logits.norm()).item()
+    assert 0 < relative_error < {"int8": 0.05, "int4": 0.3}[scheme]
+
+
+def test_build_quantizes_and_defaults_to_bfloat16_on_cpu(tiny_checkpoint, tokenizer_path, process_group):
+    generator = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=32, max_batch_size=1, quantize="int8")
+    model = generator.model
+    assert model.tok_embeddings.weight.dtype == torch.bfloat16
+    assert model.layers[0].attention.wq.weight.dtype == torch.int8
+    assert model.output.weight.dtype == torch.int8
+    float_bytes = sum(p.numel() * 2 for m in model.modules() if isinstance(m, Int8Linear) for p in [m.weight])
+    int8_bytes = sum(m.weight.numel() + m.scales.numel() * 2 for m in model.modules() if isinstance(m, Int8Linear))
+    assert int8_bytes < 0.52 * float_bytes
+    text = generator.text_completion(["The moon is"], temperature=0, max_gen_len=4)[0]["generation"]
+    assert isinstance(text, str) and text
+
+
+def test_unknown_scheme_is_a_clear_error(tiny_checkpoint, tokenizer_path, process_group):
+    with pytest.raises(ValueError, match="Unknown quantization scheme 'int3'; use one of int8, int4"):
+        Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=32, max_batch_size=1, quantize="int3")
+
+
+def test_bad_group_size_and_device_without_kernels_are_clear_errors(process_group, tmp_path):
+    _, args = tiny_reader(tmp_path)
+    model = Transformer(args)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        quantize_model(model, "int4", group_size=100)
+    with pytest.raises(ValueError, match="PyTorch has no such kernel for meta"):
+        quantize_model(model.to("meta"), "int8")
