@@ -1,7 +1,7 @@
 """One process of a model-parallel run, launched by tests/test_parallel.py under torchrun (or plain python).
 
     torchrun --nproc_per_node M tests/parallel_worker.py CKPT_DIR TOKENIZER OUT_PREFIX [--fail raise --fail-rank 1]
-        [--compile]
+        [--compile] [--quantize int8|int4]
 
 Every rank builds the Llama, completes PROMPTS greedily and then (two of them) with sampling, and writes
 OUT_PREFIX.rank{R}.json: its token IDs and a sha256 per parameter of the weights it loaded. Rank 0 also
@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--fail-ckpt-dir", help="--fail-rank builds from this (broken) checkpoint instead")
     parser.add_argument("--compile", action="store_true", help="decode through the compiled decode step")
+    parser.add_argument("--quantize", choices=["int8", "int4"], help="Llama.build's quantize")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", 0))
     failing = rank == args.fail_rank
@@ -56,6 +57,7 @@ def main() -> None:
         dtype="float32",  # what Meta folders get on CPU anyway; Hugging Face folders would keep bf16
         timeout=timedelta(seconds=args.timeout),
         compile=args.compile,
+        quantize=args.quantize,
     )
     if failing and args.fail:
         with open(f"{args.out_prefix}.rank{rank}.failed_at", "w") as f:  # when the others lose this rank

@@ -230,7 +230,9 @@ What is the weather in SF and Seattle?<|eot_id|><|start_header_id|>assistant<|en
 
 """
 
-LLAMA32_PYTHON_LIST_TOOLS_RESPONSE = """[get_weather(city='San Francisco', metric='celsius'), get_weather(city='Seattle', metric='celsius')]<|eot_id|>"""
+LLAMA32_PYTHON_LIST_TOOLS_RESPONSE = (
+    """[get_weather(city='San Francisco', metric='celsius'), get_weather(city='Seattle', metric='celsius')]<|eot_id|>"""
+)
 
 LLAMA32_TOOLS_IN_USER_MESSAGE = """<|begin_of_text|><|start_header_id|>user<|end_header_id|>
 

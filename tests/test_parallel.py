@@ -46,6 +46,8 @@ MAX_GEN_LEN = 16  # parallel_worker's default
 PARAMS = {
     "gqa": TINY_PARAMS,  # 4 heads sharing 2 kv heads: model-parallel sizes 1 and 2
     "mp4": dict(TINY_PARAMS, n_heads=8, n_kv_heads=4),  # splits up to 4 ways
+    # int4 groups of 64 inputs and blocks of 16 outputs that a 2-way split does not cut
+    "quant": dict(TINY_PARAMS, dim=128, multiple_of=64),
 }
 
 
@@ -268,6 +270,19 @@ def test_resharding(name, n_shards, nproc, checkpoint, reference, two_processes,
         native = reference("gqa") if nproc == 1 else two_processes.results(2)[0]
         assert ranks[0]["sampled"] == native["sampled"]
     assert_only_rank0_printed(run)
+
+
+@pytest.mark.parametrize("scheme, n_shards", [("int8", 2), ("int4", 1)], ids=["int8-native", "int4-resharded"])
+def test_quantized_two_processes_match_one_process(scheme, n_shards, checkpoint, tokenizer_path, tmp_path):
+    """Each process quantizes its own slice, to the same values one process gives the whole weight: row-parallel
+    layers (wo, w2) included, so the greedy tokens are the same."""
+    one = launch(plain_python(), checkpoint("quant", 1), tokenizer_path, tmp_path / "one", "--quantize", scheme)
+    assert one.returncodes == [0], one.stderrs[0]
+    two = launch(single_node(2), checkpoint("quant", n_shards), tokenizer_path, tmp_path / "two", "--quantize", scheme)
+    assert two.returncodes == [0], two.stderrs[0]
+    greedy = one.results(1)[0]["greedy"]
+    assert len({tuple(row) for row in greedy}) == 4
+    assert two.results(2)[0]["greedy"] == greedy
 
 
 def test_hugging_face_folder_is_sliced_per_rank(checkpoint, reference, tokenizer_path, tmp_path):

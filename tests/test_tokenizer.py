@@ -87,7 +87,12 @@ class TokenizerTest(unittest.TestCase):
                 882,  # "user"
                 128007,  # <|end_header_id|>
                 271,  # "\n\n"
-                2028, 374, 264, 1296, 11914, 13,  # This is a test sentence.
+                2028,
+                374,
+                264,
+                1296,
+                11914,
+                13,  # This is a test sentence.
                 128009,  # <|eot_id|>
             ],
         )
@@ -105,13 +110,22 @@ class TokenizerTest(unittest.TestCase):
                 9125,  # "system"
                 128007,  # <|end_header_id|>
                 271,  # "\n\n"
-                2028, 374, 264, 1296, 11914, 13,  # "This is a test sentence."
+                2028,
+                374,
+                264,
+                1296,
+                11914,
+                13,  # "This is a test sentence."
                 128009,  # <|eot_id|>
                 128006,  # <|start_header_id|>
                 882,  # "user"
                 128007,  # <|end_header_id|>
                 271,  # "\n\n"
-                2028, 374, 264, 2077, 13,  # "This is a response."
+                2028,
+                374,
+                264,
+                2077,
+                13,  # "This is a response."
                 128009,  # <|eot_id|>
                 128006,  # <|start_header_id|>
                 78191,  # "assistant"
@@ -239,9 +253,19 @@ class HuggingFaceCrossCheckTest(unittest.TestCase):
         dialog = [{"role": "user", "content": "Weather?"}, {"role": "ipython", "content": content}]
         self.assertEqual(
             chat.encode_dialog_prompt(dialog),
-            [128000, 128006] + self.hf_encode("user") + [128007, 271] + self.hf_encode("Weather?") + [128009]
-            + [128006] + self.hf_encode("ipython") + [128007, 271] + self.hf_encode(content) + [128009]
-            + [128006] + self.hf_encode("assistant") + [128007, 271],
+            [128000, 128006]
+            + self.hf_encode("user")
+            + [128007, 271]
+            + self.hf_encode("Weather?")
+            + [128009]
+            + [128006]
+            + self.hf_encode("ipython")
+            + [128007, 271]
+            + self.hf_encode(content)
+            + [128009]
+            + [128006]
+            + self.hf_encode("assistant")
+            + [128007, 271],
         )
 
 

@@ -98,8 +98,10 @@ def test_a_code_interpreter_call_is_its_code_after_python_tag(tok):
 @pytest.mark.parametrize(
     "tool_prompt_format, text",
     [
-        ("json", '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris", "days": 3, '
-                 '"hourly": false}}'),
+        (
+            "json",
+            '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris", "days": 3, "hourly": false}}',
+        ),
         ("function_tag", '<function=get_weather>{"city": "Paris", "days": 3, "hourly": false}</function>'),
         ("python_list", '[get_weather(city="Paris", days=3, hourly=False)]'),
     ],
@@ -185,8 +187,10 @@ def test_dialogs_without_tool_keys_encode_as_before(tok):
         ({"role": "assistant", "content": "", "tool_calls": ["f()"]}, "must be a dict"),
         ({"role": "assistant", "content": "", "tool_calls": {"tool_name": "f"}}, "must be a list"),
         ({"role": "assistant", "content": "", "tool_calls": [{"tool_name": "brave_search", "arguments": {}}]}, "query"),
-        ({"role": "assistant", "content": "", "tool_calls": [{"tool_name": "code_interpreter", "arguments": {}}]},
-         "code"),
+        (
+            {"role": "assistant", "content": "", "tool_calls": [{"tool_name": "code_interpreter", "arguments": {}}]},
+            "code",
+        ),
         ({"role": "assistant", "content": "", "tool_calls": [{"tool_name": "f", "arguments": {"x": {1}}}]}, "JSON"),
         ({"role": "assistant", "content": "", "stop_reason": "done"}, "'stop_reason' must be one of"),
         ({"role": "user", "content": "", "tool_calls": [{"tool_name": "f", "arguments": {}}]}, "Only assistant"),
@@ -358,8 +362,10 @@ def meta_tokens(meta, dialog, tool_prompt_format="json"):
             role="tool" if m["role"] == "ipython" else m["role"],
             content=m["content"],
             stop_reason=stop_reasons[m.get("stop_reason")],
-            tool_calls=[types.ToolCall(call_id=c.get("call_id", "1"), tool_name=c["tool_name"],
-                                       arguments=c["arguments"]) for c in m.get("tool_calls", [])],  # fmt: skip
+            tool_calls=[
+                types.ToolCall(call_id=c.get("call_id", "1"), tool_name=c["tool_name"], arguments=c["arguments"])
+                for c in m.get("tool_calls", [])
+            ],  # fmt: skip
         )
         for m in dialog
     ]
@@ -375,16 +381,27 @@ CROSS_CHECK_DIALOGS = [
     ],
     [
         {"role": "user", "content": "Weather in Paris and gold price?"},
-        assistant("Let me check.", [("get_weather", {"city": "Paris", "days": 2, "hourly": True, "units": None}),
-                                    ("brave_search", {"query": "gold price"}),
-                                    ("get_weather", {"cities": ["Paris", "Lyon"], "opts": {"a": 1.5}})],
-                  "end_of_turn"),  # fmt: skip
+        assistant(
+            "Let me check.",
+            [
+                ("get_weather", {"city": "Paris", "days": 2, "hourly": True, "units": None}),
+                ("brave_search", {"query": "gold price"}),
+                ("get_weather", {"cities": ["Paris", "Lyon"], "opts": {"a": 1.5}}),
+            ],
+            "end_of_turn",
+        ),  # fmt: skip
         {"role": "ipython", "content": "  sunny  "},
         {"role": "ipython", "content": "$2,650"},
         {"role": "assistant", "content": "Sunny; $2,650.", "stop_reason": "end_of_turn"},
         {"role": "user", "content": "Now plot it."},
-        assistant("", [("code_interpreter", {"code": "\nimport matplotlib\nprint('é')\n"}),
-                       ("photogen", {"query": "a sunny Paris"})], "end_of_message"),  # fmt: skip
+        assistant(
+            "",
+            [
+                ("code_interpreter", {"code": "\nimport matplotlib\nprint('é')\n"}),
+                ("photogen", {"query": "a sunny Paris"}),
+            ],
+            "end_of_message",
+        ),  # fmt: skip
         {"role": "tool", "content": "[stdout]\né\n[/stdout]"},
         {"role": "assistant", "content": "Cut short", "stop_reason": "length"},
     ],
@@ -607,8 +624,17 @@ def test_python_list_definitions():
     text = python_list_tools_prompt([tool], preamble="Call functions.")
     assert text.startswith("Call functions.\n\nIf you decide to invoke any of the function(s)")
     listed = json.loads(text[text.index("\n[") :])
-    assert listed == [{"name": "f", "description": "d", "parameters": {
-        "type": "dict", "required": [], "properties": {"a": {"type": "int", "description": "x", "default": 0}}}}]
+    assert listed == [
+        {
+            "name": "f",
+            "description": "d",
+            "parameters": {
+                "type": "dict",
+                "required": [],
+                "properties": {"a": {"type": "int", "description": "x", "default": 0}},
+            },
+        }
+    ]
     assert tool_messages([tool], tool_format="python_list", instruction="Call functions.")[0]["content"] == text
 
 
