@@ -4,6 +4,7 @@
     python benchmarks/bench.py                          # the grid: dims 256 to 2048 (the last one Llama 3.2 1B)
     python benchmarks/bench.py --shapes d512 --dtypes bfloat16
     python benchmarks/bench.py --device cuda --shapes 8b --dtypes bfloat16 --compile
+    python benchmarks/bench.py --quick --dtypes bfloat16 int8 int4   # quantized weights (Llama.build(quantize=))
 
 For each shape it writes a random checkpoint in Meta's layout (bf16, as Meta ships them, Llama 3's vocabulary
 and grouped-query attention) and measures, each in a fresh process, on the same weights, dtype and threads:
@@ -16,6 +17,8 @@ and grouped-query attention) and measures, each in a fresh process, on the same 
   llama-cpp-python gguf`, a build of a few minutes; skipped with a notice otherwise), on a GGUF file of the same
   weights written with the `gguf` package and quantized by llama.cpp's own quantizer. Its model is loaded with
   `use_extra_bufts = False`: its repacked (AMX) buffers crash quantized files at the first decode on some CPUs.
+The dtypes int8 and int4 are llama with `quantize=` (bfloat16 activations), set beside our own bfloat16 and
+llama.cpp's Q8_0 and Q4_0 files; transformers has no quantized CPU row.
 Measured: load time (next to the time to read the checkpoint's bytes), prefill tokens/s for prompts of 64 and
 512 tokens, decode tokens/s at batch 1 and 8 (greedy, no stop tokens, prefill time subtracted; with --compile,
 llama decodes through its compiled step), peak memory (max RSS on CPU, max allocated on CUDA).
@@ -51,6 +54,8 @@ SHAPES = {
 }  # fmt: skip
 GRID = ["d256", "d512", "d1024", "1b"]
 QUICK = ["d256", "d512"]
+QUANTIZED = ("int8", "int4")  # --dtypes that mean llama with quantize=, on bfloat16 activations
+LLAMA_CPP_PEER = {"float32": "F16", "bfloat16": "F16", "int8": "Q8_0", "int4": "Q4_0"}  # the type each is set beside
 DECODE_STEPS = {"d256": 32, "d512": 32, "d1024": 24, "1b": 12, "8b": 64}
 PREFILL_LENS = (64, 512)
 LLAMA_CPP_TYPES = ("F16", "Q8_0", "Q4_0")
@@ -179,8 +184,9 @@ def decode_step_bytes(model) -> int:
     """Bytes one batch-1 decode step reads: every weight once, except the embedding table (one row is read),
     unless it doubles as the output head."""
     weights = {}  # a tied head and the embedding are one parameter
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name != "tok_embeddings.weight":
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]  # quantized: buffers
+    for name, p in tensors:
+        if name != "tok_embeddings.weight" and "kv_cache" not in name:
             weights[id(p)] = p.numel() * p.element_size()
     return sum(weights.values())
 
@@ -230,8 +236,9 @@ def worker_llama(args) -> dict:
         max_seq_len=1024,
         max_batch_size=8,
         device=args.device,
-        dtype=args.dtype,
+        dtype="bfloat16" if args.dtype in QUANTIZED else args.dtype,
         compile=args.compile,
+        quantize=args.dtype if args.dtype in QUANTIZED else None,
     )
     sync(args.device)
     result = {"load_s": time.perf_counter() - start}
@@ -255,6 +262,8 @@ def worker_llama(args) -> dict:
         result["compiled_graphs"] = counters["stats"]["unique_graphs"]
         result["graph_breaks"] = sum(counters["graph_break"].values())
         result["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
+    if args.dtype in QUANTIZED:  # the reference algorithm has no quantized weights
+        return result
     # The reference algorithm: logits for every prompt position, and the reference's kernels and attention.
     unpack_layers(model)
     for layer in model.layers:
@@ -476,7 +485,7 @@ def main() -> None:
         cpp = {}
         for dtype in opts.dtypes:
             results = {}
-            for library in ("llama", "transformers"):
+            for library in ("llama",) if dtype in QUANTIZED else ("llama", "transformers"):
                 log(f"{shape} {dtype}: {library} ...")
                 folder = meta if library == "llama" else hf_checkpoint(meta)
                 results[library] = run_worker(library, folder, shape, dtype, opts)
@@ -486,7 +495,7 @@ def main() -> None:
                 log(f"{shape}: llama.cpp {kind} ...")
                 cpp[kind] = run_worker("llama.cpp", gguf_file(meta, kind), shape, "-", opts)
                 log(f"{shape}: llama.cpp {kind}: {json.dumps(cpp[kind])}")
-            rows.append(dict(shape=shape, dtype=dtype, read_s=read_s, llama_cpp=cpp, **results))
+            rows.append(dict(shape=shape, dtype=dtype, read_s=read_s, llama_cpp=cpp, transformers={}, **results))
     print_table(rows, opts.prefill_lens)
     if not with_llama_cpp:
         print("llama.cpp left out: `CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python gguf` adds it (CPU only)")
@@ -501,19 +510,20 @@ def llama_cpp_importable() -> bool:
 
 
 def print_table(rows, prefill_lens) -> None:
-    """One block per shape and dtype: a line per figure, llama against transformers (and llama.cpp's F16 file for
-    bfloat16, the closest of its types; its Q8_0 and Q4_0 figures beside it). Each ratio is llama's lead: above
-    1x llama is ahead, whether the figure is a speed, a time or memory."""
+    """One block per shape and dtype: a line per figure, llama against transformers and against llama.cpp's closest
+    type (F16 for bfloat16, Q8_0 for int8, Q4_0 for int4; its Q8_0 and Q4_0 figures beside it). Each ratio is
+    llama's lead: above 1x llama is ahead, whether the figure is a speed, a time or memory."""
     print()
     header = (
         f"{'shape':6} {'dtype':9} {'figure':24} {'llama':>9} {'transf.':>9} {'ratio':>6} "
-        f"{'cpp F16':>9} {'ratio':>6} {'cpp Q8_0':>9} {'cpp Q4_0':>9}"
+        f"{'cpp':>9} {'ratio':>6} {'cpp Q8_0':>9} {'cpp Q4_0':>9}"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
         ours, theirs, cpp = row["llama"], row["transformers"], row["llama_cpp"]
-        compare_cpp = row["dtype"] == "bfloat16"
+        peer = LLAMA_CPP_PEER[row["dtype"]]
+        compare_cpp = row["dtype"] != "float32"
 
         def line(figure, key, fmt="{:.1f}", faster_is_more=True):
             """A figure of each library, and llama's lead over a peer: above 1x, llama is ahead."""
@@ -523,8 +533,8 @@ def print_table(rows, prefill_lens) -> None:
                 return f"{(a / peer if faster_is_more else peer / a):.2f}x"
 
             cells = [fmt.format(a), fmt.format(b) if b else "-", lead(b) if b else ""]
-            f16 = cpp.get("F16", {}).get(key)
-            cells += [fmt.format(f16) if f16 else "-", lead(f16) if f16 and compare_cpp else ""]
+            closest = cpp.get(peer, {}).get(key)
+            cells += [fmt.format(closest) if closest else "-", lead(closest) if closest and compare_cpp else ""]
             cells += [fmt.format(cpp[k][key]) if k in cpp and key in cpp[k] else "-" for k in ("Q8_0", "Q4_0")]
             cells = " ".join(f"{cell:>{width}}" for cell, width in zip(cells, (9, 9, 6, 9, 6, 9, 9)))
             print(f"{row['shape']:6} {row['dtype']:9} {figure:24} {cells}")
@@ -536,10 +546,13 @@ def print_table(rows, prefill_lens) -> None:
         line("decode b1 tok/s", "decode_b1_tok_s")
         line("decode b8 tok/s", "decode_b8_tok_s")
         line("peak memory MB", "peak_mb", "{:.0f}", faster_is_more=False)
-        ours_share, theirs_share = (roofline_share(r["decode_b1_runs"], ours["step_bytes"]) for r in (ours, theirs))
-        bandwidths = [bw / 1e9 for r in (ours, theirs) for _, bw in r["decode_b1_runs"]]
+        ours_share = roofline_share(ours["decode_b1_runs"], ours["step_bytes"])
+        theirs_share = roofline_share(theirs["decode_b1_runs"], ours["step_bytes"]) if theirs else float("nan")
+        bandwidths = [bw / 1e9 for r in (ours, theirs) for _, bw in r.get("decode_b1_runs", [])]
         reference = ", ".join(
-            f"{n}: {ours[f'prefill{n}_tok_s'] / ours[f'prefill{n}_reference_tok_s']:.2f}x" for n in prefill_lens
+            f"{n}: {ours[f'prefill{n}_tok_s'] / ours[f'prefill{n}_reference_tok_s']:.2f}x"
+            for n in prefill_lens
+            if f"prefill{n}_reference_tok_s" in ours
         )
         print(
             f"{row['shape']:6} {row['dtype']:9} decode b1 reaches {ours_share:.0%} of the roofline "

@@ -111,7 +111,12 @@ def max_over_model_parallel_group(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class Int8Linear(ParallelLinear):
+class QuantizedLinear(ParallelLinear):
+    def unpack(self) -> nn.Module:
+        raise ValueError("A quantized layer has no fairscale form: its weight is no longer in floating point")
+
+
+class Int8Linear(QuantizedLinear):
     """A fairscale linear layer with an int8 weight (`weight`, `scales`) in place of its float one."""
 
     def __init__(self, layer: nn.Module, q: torch.Tensor, scales: torch.Tensor):
@@ -127,7 +132,7 @@ class Int8Linear(ParallelLinear):
         return torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales).view(*x.shape[:-1], -1)
 
 
-class Int4Linear(ParallelLinear):
+class Int4Linear(QuantizedLinear):
     """A fairscale linear layer with an int4 weight, held in the layout of PyTorch's int4 kernel for its device
     (`weight`, `scales_and_zeros`): a runtime form, not a file format (see `llama.convert quantize`)."""
 
@@ -212,7 +217,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
 
 
 def is_quantized(layer: nn.Module) -> bool:
-    return isinstance(layer, (Int8Linear, Int4Linear))
+    return isinstance(layer, QuantizedLinear)
 
 
 def quantized_bytes(model: nn.Module) -> Tuple[int, int]:
