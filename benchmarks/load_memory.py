@@ -3,6 +3,7 @@
     python benchmarks/load_memory.py                              # dim 1024, 8 layers, 4 bf16 shards; M = 1, 2, 4
     python benchmarks/load_memory.py --shards 2 --nprocs 1 2 4 --dtype float32
     python benchmarks/load_memory.py --ckpt-dir DIR --nprocs 8    # an existing Meta checkpoint
+    python benchmarks/load_memory.py --nprocs 1 --quantize int4   # quantized as it loads: Llama.build(quantize=)
 
 It writes a random checkpoint in Meta's layout (bf16, as Meta ships them) to a temporary folder, then runs
 `torchrun --nproc_per_node M` on that same folder for each M (so N shards on disk are merged or split for M
@@ -82,7 +83,7 @@ def mapped_ranges(suffix: str = ".pth"):
     return ranges
 
 
-def worker(ckpt_dir: str, tokenizer_path: str, out_dir: str, dtype: str) -> None:
+def worker(ckpt_dir: str, tokenizer_path: str, out_dir: str, dtype: str, quantize: str = None) -> None:
     """One rank: build the Llama while watching memory, and write rank{R}.json to out_dir."""
     from llama import Llama
     from llama.tokenizer import Tokenizer
@@ -93,19 +94,21 @@ def worker(ckpt_dir: str, tokenizer_path: str, out_dir: str, dtype: str) -> None
     sampler = PeakSampler()
     sampler.start()
     start = time.time()
-    generator = Llama.build(ckpt_dir, tokenizer_path, max_seq_len=128, max_batch_size=1, device="cpu", dtype=dtype)
+    generator = Llama.build(
+        ckpt_dir, tokenizer_path, max_seq_len=128, max_batch_size=1, device="cpu", dtype=dtype, quantize=quantize
+    )
     seconds = time.time() - start
     sampler.stop()
     after = proc_status()
     peak_rss = max(after["VmHWM"], sampler.max_rss) if hwm_reset else sampler.max_rss
 
     ranges = mapped_ranges()
-    params = list(generator.model.parameters())
+    params = [*generator.model.parameters(), *(b for n, b in generator.model.named_buffers() if "kv_cache" not in n)]
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     mapped_bytes = sum(
         p.numel() * p.element_size() for p in params if any(lo <= p.data_ptr() < hi for lo, hi in ranges)
     )
-    buffer_bytes = sum(b.numel() * b.element_size() for b in generator.model.buffers())
+    buffer_bytes = sum(b.numel() * b.element_size() for n, b in generator.model.named_buffers() if "kv_cache" in n)
     anon = proc_status()["RssAnon"]
     tokenizer = Tokenizer(tokenizer_path)  # noqa: F841 (kept alive while measuring)
     tokenizer_bytes = proc_status()["RssAnon"] - anon
@@ -142,12 +145,12 @@ def default_tokenizer_path() -> str:
     return str(Path(next(iter(spec.submodule_search_locations))) / "tokenizer.model")
 
 
-def run_torchrun(nproc: int, ckpt_dir: Path, tokenizer_path: str, out_dir: Path, dtype: str) -> list:
+def run_torchrun(nproc: int, ckpt_dir: Path, tokenizer_path: str, out_dir: Path, dtype: str, quantize) -> list:
     out_dir.mkdir(parents=True)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
         __file__, "--worker", str(ckpt_dir), tokenizer_path, str(out_dir), "--dtype", dtype,
-    ]  # fmt: skip
+    ] + (["--quantize", quantize] if quantize else [])  # fmt: skip
     python_path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path)
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -167,10 +170,11 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=4, help="shards N of the random checkpoint")
     parser.add_argument("--nprocs", type=int, nargs="+", default=[1, 2, 4], help="process counts M to load with")
     parser.add_argument("--dtype", default="bfloat16", help="Llama.build's dtype (CPU default: float32)")
+    parser.add_argument("--quantize", choices=["int8", "int4"], help="Llama.build's quantize")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.worker:
-        worker(*args.worker, args.dtype)
+        worker(*args.worker, args.dtype, args.quantize)
         return
 
     tokenizer_path = args.tokenizer_path or default_tokenizer_path()
@@ -197,7 +201,7 @@ def main() -> None:
         for nproc in args.nprocs:
             print(f"torchrun --nproc_per_node {nproc} ({len(shards)} -> {nproc}) ...", flush=True)
             start = time.time()
-            ranks = run_torchrun(nproc, ckpt_dir, tokenizer_path, tmp / f"m{nproc}", args.dtype)
+            ranks = run_torchrun(nproc, ckpt_dir, tokenizer_path, tmp / f"m{nproc}", args.dtype, args.quantize)
             print(f"  done in {time.time() - start:.1f} s", flush=True)
             rows += [(nproc, r) for r in ranks]
 

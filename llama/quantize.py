@@ -141,7 +141,11 @@ class Int4Linear(QuantizedLinear):
         del self.weight
         self.group_size = q.shape[1] // scales.shape[1]
         if q.device.type == "cpu":
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+            # Packed a block of rows at a time (the same bytes as all at once), to bound the int32 temporary.
+            blocks = q.split(ROWS_PER_CHUNK)
+            packed = torch.cat(
+                [torch.ops.aten._convert_weight_to_int4pack_for_cpu(b.to(torch.int32), 2) for b in blocks]
+            )
         else:
             pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # the CUDA kernel's nibble order
             packed = torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
