@@ -22,7 +22,7 @@ from torch import nn
 from llama.parallel_layers import ParallelLinear, replace_layers
 
 SCHEMES = ("int8", "int4")
-DEFAULT_GROUP_SIZE = 64
+DEFAULT_GROUP_SIZE = 32  # the most accurate; no slower than larger groups (docs/quantize.md)
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernels accept
 INT4_ROWS = 16  # the CPU int4 kernel takes weights of a multiple of this many rows (CUDA: 8)
 ROWS_PER_CHUNK = 4096  # weights are quantized this many rows at a time, to bound the float temporaries
@@ -44,7 +44,7 @@ def check_device(device: torch.device, scheme: str, dtype: torch.dtype) -> None:
 
 
 def int4_group_size(in_features: int, requested: Optional[int] = None) -> Optional[int]:
-    """The int4 group size for a layer with `in_features` inputs: `requested` (default 64) if it divides them,
+    """The int4 group size for a layer with `in_features` inputs: `requested` (default 32) if it divides them,
     else the largest smaller size the kernels accept that does; None when none does."""
     requested = requested or DEFAULT_GROUP_SIZE
     if requested not in INT4_GROUP_SIZES:
@@ -200,7 +200,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
     Args:
         model: The Transformer, with its weights.
         scheme: "int8" (one scale per output channel) or "int4" (groups along the input).
-        group_size: int4's group size, one of 256, 128, 64 (default) or 32. A layer whose input width it does not
+        group_size: int4's group size, one of 256, 128, 64 or 32 (default). A layer whose input width it does not
             divide takes the largest smaller size that does; a layer that int4 cannot hold (an input width that is
             not a multiple of 32, or outputs not a multiple of 16) is quantized to int8 instead.
 

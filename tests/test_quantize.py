@@ -59,22 +59,23 @@ def fairscale_layer(kind, in_features: int, out_features: int, weight: torch.Ten
 
 @pytest.mark.parametrize("kind", [ColumnParallelLinear, RowParallelLinear], ids=["column", "row"])
 @pytest.mark.parametrize(
-    "shape, scheme, expected_type, group_size",
+    "shape, scheme, requested, expected_type, group_size",
     [
-        ((64, 256), "int8", Int8Linear, None),
-        ((64, 256), "int4", Int4Linear, 64),
-        ((48, 576), "int4", Int4Linear, 64),  # SmolLM2's width: 576 = 9 x 64, not a multiple of 128
-        ((32, 96), "int4", Int4Linear, 32),  # 96 = 3 x 32
-        ((32, 40), "int4", Int8Linear, None),  # no int4 group divides 40: the layer is int8
-        ((40, 64), "int4", Int8Linear, None),  # the int4 CPU kernel takes outputs in multiples of 16 only
+        ((64, 256), "int8", None, Int8Linear, None),
+        ((64, 256), "int4", None, Int4Linear, 32),
+        ((64, 256), "int4", 128, Int4Linear, 128),
+        ((48, 576), "int4", 128, Int4Linear, 64),  # SmolLM2's width: 576 = 9 x 64, not a multiple of 128
+        ((32, 96), "int4", 64, Int4Linear, 32),  # 96 = 3 x 32
+        ((32, 40), "int4", None, Int8Linear, None),  # no int4 group divides 40: the layer is int8
+        ((40, 64), "int4", None, Int8Linear, None),  # the int4 CPU kernel takes outputs in multiples of 16 only
     ],
 )
 def test_quantized_layer_computes_with_the_dequantized_weight(
-    process_group, kind, shape, scheme, expected_type, group_size
+    process_group, kind, shape, scheme, requested, expected_type, group_size
 ):
     rows, cols = shape
     weight = random_weight(rows, cols, seed=rows + cols)
-    layer = quantize_layer(fairscale_layer(kind, cols, rows, weight), scheme)
+    layer = quantize_layer(fairscale_layer(kind, cols, rows, weight), scheme, requested)
     assert type(layer) is expected_type
     if expected_type is Int4Linear:
         assert layer.group_size == group_size
