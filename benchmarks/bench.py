@@ -495,7 +495,7 @@ def main() -> None:
                 log(f"{shape}: llama.cpp {kind} ...")
                 cpp[kind] = run_worker("llama.cpp", gguf_file(meta, kind), shape, "-", opts)
                 log(f"{shape}: llama.cpp {kind}: {json.dumps(cpp[kind])}")
-            rows.append(dict(shape=shape, dtype=dtype, read_s=read_s, llama_cpp=cpp, transformers={}, **results))
+            rows.append(dict(shape=shape, dtype=dtype, read_s=read_s, llama_cpp=cpp, **{"transformers": {}, **results}))
     print_table(rows, opts.prefill_lens)
     if not with_llama_cpp:
         print("llama.cpp left out: `CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python gguf` adds it (CPU only)")
@@ -547,20 +547,22 @@ def print_table(rows, prefill_lens) -> None:
         line("decode b8 tok/s", "decode_b8_tok_s")
         line("peak memory MB", "peak_mb", "{:.0f}", faster_is_more=False)
         ours_share = roofline_share(ours["decode_b1_runs"], ours["step_bytes"])
-        theirs_share = roofline_share(theirs["decode_b1_runs"], ours["step_bytes"]) if theirs else float("nan")
         bandwidths = [bw / 1e9 for r in (ours, theirs) for _, bw in r.get("decode_b1_runs", [])]
-        reference = ", ".join(
-            f"{n}: {ours[f'prefill{n}_tok_s'] / ours[f'prefill{n}_reference_tok_s']:.2f}x"
-            for n in prefill_lens
-            if f"prefill{n}_reference_tok_s" in ours
-        )
-        print(
+        summary = (
             f"{row['shape']:6} {row['dtype']:9} decode b1 reaches {ours_share:.0%} of the roofline "
             f"(bandwidth / {ours['step_bytes'] / 1e6:.0f} MB per token; median of {ROOFLINE_PAIRS} runs, each against "
-            f"the bandwidth read after it, {min(bandwidths):.0f}-{max(bandwidths):.0f} GB/s), transformers "
-            f"({theirs.get('attention')} attention) {theirs_share:.0%}; prefill against the reference algorithm "
-            f"{reference}; load {ours['load_s'] / row['read_s']:.2f}x the read time"
+            f"the bandwidth read after it, {min(bandwidths):.0f}-{max(bandwidths):.0f} GB/s)"
         )
+        if theirs:  # quantized rows have neither transformers nor the reference algorithm
+            theirs_share = roofline_share(theirs["decode_b1_runs"], ours["step_bytes"])
+            reference = ", ".join(
+                f"{n}: {ours[f'prefill{n}_tok_s'] / ours[f'prefill{n}_reference_tok_s']:.2f}x" for n in prefill_lens
+            )
+            summary += (
+                f", transformers ({theirs.get('attention')} attention) {theirs_share:.0%}; prefill against the "
+                f"reference algorithm {reference}"
+            )
+        print(f"{summary}; load {ours['load_s'] / row['read_s']:.2f}x the read time")
         if "compiled_graphs" in ours:
             print(
                 f"{row['shape']:6} {row['dtype']:9} compiled decode step: {ours['compiled_graphs']} graphs "
