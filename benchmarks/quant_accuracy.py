@@ -200,7 +200,7 @@ def linear_bytes(model) -> int:
 
     from llama.quantize import quantized_bytes
 
-    quantized, _ = quantized_bytes(model)
+    quantized = quantized_bytes(model)
     linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     # a quantized layer keeps the fairscale layer it replaced, without its weight
     return quantized + sum(m.weight.numel() * m.weight.element_size() for m in linears if m.weight is not None)

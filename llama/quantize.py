@@ -10,7 +10,7 @@ Scales never depend on how a weight is split over model-parallel processes: an i
 straddle a split. So 1 and N processes quantize every weight identically.
 """
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
@@ -43,12 +43,18 @@ def check_device(device: torch.device, scheme: str, dtype: torch.dtype) -> None:
     raise ValueError(f"quantize={scheme!r} needs {needs}; PyTorch has no such kernel for {device} in {dtype}")
 
 
-def int4_group_size(in_features: int, requested: Optional[int] = None) -> Optional[int]:
-    """The int4 group size for a layer with `in_features` inputs: `requested` (default 32) if it divides them,
-    else the largest smaller size the kernels accept that does; None when none does."""
+def check_group_size(requested: Optional[int]) -> int:
+    """`requested` (None: the default, 32), or a ValueError when the int4 kernels do not take it."""
     requested = requested or DEFAULT_GROUP_SIZE
     if requested not in INT4_GROUP_SIZES:
         raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES}, got {requested!r}")
+    return requested
+
+
+def int4_group_size(in_features: int, requested: Optional[int] = None) -> Optional[int]:
+    """The int4 group size for a layer with `in_features` inputs: `requested` (default 32) if it divides them,
+    else the largest smaller size the kernels accept that does; None when none does."""
+    requested = check_group_size(requested)
     for size in INT4_GROUP_SIZES:
         if size <= requested and in_features % size == 0:
             return size
@@ -60,12 +66,17 @@ def row_chunks(weight: torch.Tensor):
         yield weight[start : start + ROWS_PER_CHUNK].float()
 
 
-def quantize_int8(weight: torch.Tensor, dtype: torch.dtype, row_absmax: Optional[torch.Tensor] = None):
-    """(q int8, scales in `dtype`) of a 2-D weight, one scale per row. `row_absmax` overrides each row's largest
+def row_absmax(weight: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in each row of a 2-D weight, in float32."""
+    return torch.cat([chunk.abs().amax(dim=1) for chunk in row_chunks(weight)])
+
+
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype, absmax: Optional[torch.Tensor] = None):
+    """(q int8, scales in `dtype`) of a 2-D weight, one scale per row. `absmax` overrides each row's largest
     magnitude (the whole row's, for a slice of it)."""
-    if row_absmax is None:
-        row_absmax = torch.cat([chunk.abs().amax(dim=1) for chunk in row_chunks(weight)])
-    scales = (row_absmax.float() / 127).to(dtype)  # rounded to the kernel's dtype before q is chosen
+    if absmax is None:
+        absmax = row_absmax(weight)
+    scales = (absmax.float() / 127).to(dtype)  # rounded to the kernel's dtype before q is chosen
     safe = torch.where(scales > 0, scales.float(), 1.0)
     q = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     for start, chunk in zip(range(0, weight.shape[0], ROWS_PER_CHUNK), row_chunks(weight)):
@@ -134,7 +145,7 @@ class Int8Linear(QuantizedLinear):
 
 class Int4Linear(QuantizedLinear):
     """A fairscale linear layer with an int4 weight, held in the layout of PyTorch's int4 kernel for its device
-    (`weight`, `scales_and_zeros`): a runtime form, not a file format (see `llama.convert quantize`)."""
+    (`weight`, `scales_and_zeros`): a runtime form, not a file format (docs/quantize.md)."""
 
     def __init__(self, layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
         super().__init__(layer)
@@ -187,7 +198,7 @@ def quantize_layer(layer: nn.Module, scheme: str, group_size: Optional[int] = No
             return Int4Linear(layer, *quantize_int4(weight, size, weight.dtype))
     absmax = None
     if row_parallel:  # the whole row's largest magnitude, not this slice's
-        absmax = max_over_model_parallel_group(torch.cat([chunk.abs().amax(dim=1) for chunk in row_chunks(weight)]))
+        absmax = max_over_model_parallel_group(row_absmax(weight))
     return Int8Linear(layer, *quantize_int8(weight, weight.dtype, absmax))
 
 
@@ -209,7 +220,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
     """
     check_scheme(scheme)
     if scheme == "int4":
-        int4_group_size(1, group_size)  # check it early
+        check_group_size(group_size)
     weight = model.tok_embeddings.weight
     check_device(weight.device, scheme, weight.dtype)
     replace_layers(
@@ -224,8 +235,6 @@ def is_quantized(layer: nn.Module) -> bool:
     return isinstance(layer, QuantizedLinear)
 
 
-def quantized_bytes(model: nn.Module) -> Tuple[int, int]:
-    """(bytes of the quantized layers' tensors, bytes of everything else) of `model`'s state."""
-    quantized = sum(t.numel() * t.element_size() for m in model.modules() if is_quantized(m) for t in m.buffers())
-    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return quantized, total - quantized
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes of the quantized layers' tensors (quantized values, scales and zeros) in `model`."""
+    return sum(t.numel() * t.element_size() for m in model.modules() if is_quantized(m) for t in m.buffers())
