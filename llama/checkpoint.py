@@ -25,7 +25,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
 from llama.model import FeedForward, ModelArgs, Transformer
-from llama.quantize import check_device, check_scheme, quantize_layer
+from llama.quantize import (
+    check_device,
+    check_scheme,
+    layer_from_saved,
+    quantize_layer,
+    saved_quantization,
+    saved_shapes,
+    whole_shape,
+)
 from llama.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -34,6 +42,7 @@ logger = logging.getLogger(__name__)
 # dim 0, row-parallel layers along dim 1; everything else (the norms) is replicated on every rank.
 SPLIT_ON_DIM_0 = {"tok_embeddings", "output", "wq", "wk", "wv", "w1", "w3"}
 SPLIT_ON_DIM_1 = {"wo", "w2"}
+LINEAR_LAYERS = SPLIT_ON_DIM_0 - {"tok_embeddings"} | SPLIT_ON_DIM_1  # the ones `llama.quantize` quantizes
 IGNORED_KEYS = {"rope.freqs"}  # a precomputed RoPE table some Meta checkpoints carry; we compute our own
 
 # Hugging Face's rope_scaling fields for the Llama 3.1 rule, fixed by model.apply_scaling (only "factor" varies).
@@ -146,7 +155,7 @@ class CheckpointReader:
     def read_shard(self, key: str, rank: int, size: int, dtype=None) -> torch.Tensor:
         """Rank `rank`'s part of `key` when the model is split over `size` model-parallel ranks (size 1: all)."""
         dim = split_dim(key)
-        if dim is None:
+        if dim is None or dim >= len(self.shapes[key]):  # also an int8 scale of a split row: the whole row's
             return self.read(key)
         length = self.shapes[key][dim] // size
         return self.read(key, dim, rank * length, length, dtype)
@@ -205,7 +214,9 @@ class MetaCheckpoint(CheckpointReader):
         # Join straight into the dtype asked for: no extra copy of the whole slice in the stored dtype.
         shape = list(pieces[0].shape)
         shape[dim] = length
-        return torch.cat(pieces, dim=dim, out=torch.empty(shape, dtype=dtype or pieces[0].dtype))
+        stored = pieces[0].dtype
+        dtype = dtype if dtype is not None and stored.is_floating_point else stored  # quantized values stay ints
+        return torch.cat(pieces, dim=dim, out=torch.empty(shape, dtype=dtype))
 
 
 def load_shard(path: Path) -> Dict[str, torch.Tensor]:
@@ -480,7 +491,7 @@ def find_tokenizer(ckpt_dir, tokenizer_path: Optional[str] = None) -> str:
 def model_args_from(params: dict, **overrides) -> Tuple[ModelArgs, List[str]]:
     """ModelArgs for a checkpoint's params.json fields, and the fields that were ignored."""
     known = {f.name for f in fields(ModelArgs)}
-    ignored = sorted(set(params) - known - {"tie_word_embeddings"})
+    ignored = sorted(set(params) - known - {"tie_word_embeddings", "quantization"})
     return ModelArgs(**{k: v for k, v in params.items() if k in known}, **overrides), ignored
 
 
@@ -511,7 +522,7 @@ def rank_weights(
     for key, local_shape in expected_shapes.items():
         dim = split_dim(key)
         full_shape = list(local_shape)
-        if dim is not None:
+        if dim is not None and dim < len(full_shape):
             full_shape[dim] *= mp_size
         if not (key == "output.weight" and tied) and list(reader.shapes[key]) != full_shape:
             raise ValueError(
@@ -523,7 +534,8 @@ def rank_weights(
         if key == "output.weight" and tied:
             yield key, embedding  # the embedding, loaded under its own name
             continue
-        tensor = reader.read_shard(key, mp_rank, mp_size, dtype).to(device=device, dtype=dtype).contiguous()
+        tensor = reader.read_shard(key, mp_rank, mp_size, dtype)
+        tensor = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None).contiguous()
         if key == "tok_embeddings.weight":
             embedding = tensor
         yield key, tensor
@@ -558,17 +570,39 @@ def load_model(
     random initialisation: built on the meta device, then given the checkpoint's tensors, strictly.
 
     With `quantize`, each linear layer is quantized as soon as its weight is read (`llama.quantize`), so that at
-    most one layer's weight is held in `dtype` at a time.
+    most one layer's weight is held in `dtype` at a time. A quantized checkpoint (its params.json has
+    "quantization") gives its layers as they are stored, and `quantize` must then be its scheme or None.
     """
     check_model_parallel_size(model_args, mp_size, len(reader.files) if isinstance(reader, MetaCheckpoint) else None)
+    saved = saved_quantization(reader.params, reader.ckpt_dir / META_PARAMS)
+    if saved:
+        check_quantize_matches(quantize, saved[0], reader.ckpt_dir)
+        quantize, group_size = saved
     with AllocateOnMeta():
         model = Transformer(model_args)
     expected_shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
-    weights = {}
+    linear = (ColumnParallelLinear, RowParallelLinear)
+    stored = {name: {} for name, m in model.named_modules() if isinstance(m, linear)}  # name -> stored shapes
+    if saved:  # each linear layer's weight is stored as its quantized tensors, under the layer's name
+        float_shapes, expected_shapes = expected_shapes, {}
+        for key, shape in float_shapes.items():
+            name = key.removesuffix(".weight")
+            if name not in stored:
+                expected_shapes[key] = shape
+                continue
+            layer = model.get_submodule(name)
+            row_parallel = isinstance(layer, RowParallelLinear)
+            stored[name] = saved_shapes(*whole_shape(layer), row_parallel, quantize, group_size, mp_size)
+            expected_shapes.update({f"{name}.{field}": torch.Size(s) for field, s in stored[name].items()})
+    weights, parts = {}, {}
     for key, tensor in rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device):
-        name = key.removesuffix(".weight")
-        layer = model.get_submodule(name)
-        if quantize and isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+        name, _, field = key.rpartition(".")
+        if name in stored and saved:  # a layer is built once all its stored tensors are read
+            parts.setdefault(name, {})[field] = tensor
+            if len(parts[name]) == len(stored[name]):
+                model.set_submodule(name, layer_from_saved(model.get_submodule(name), **parts.pop(name)))
+        elif name in stored and quantize:
+            layer = model.get_submodule(name)
             layer.weight = torch.nn.Parameter(tensor, requires_grad=False)
             model.set_submodule(name, quantize_layer(layer, quantize, group_size))
         else:
@@ -605,6 +639,10 @@ def load_checkpoint(
         raise ValueError(
             f"max_seq_len={max_seq_len} exceeds this checkpoint's context of {model_args.context_len} tokens"
         )
+    saved = saved_quantization(reader.params, reader.ckpt_dir / META_PARAMS)
+    if saved:
+        check_quantize_matches(quantize, saved[0], ckpt_dir)
+        quantize = saved[0]
     if quantize is not None:
         check_scheme(quantize)
         if dtype is None and device.type == "cpu":
@@ -632,6 +670,14 @@ def load_checkpoint(
     if global_rank() == 0:  # the reference prints this line; other processes load the same way, silently
         print(f"Loaded in {time.time() - start_time:.2f} seconds")
     return model, tokenizer
+
+
+def check_quantize_matches(quantize: Optional[str], saved_scheme: str, ckpt_dir) -> None:
+    if quantize not in (None, saved_scheme):
+        raise ValueError(
+            f"{ckpt_dir} holds weights quantized as {saved_scheme}; they cannot be loaded as {quantize}. Pass "
+            f"quantize={saved_scheme!r} (or None), or quantize the floating-point checkpoint as {quantize}"
+        )
 
 
 def check_kv_cache_fits(args: ModelArgs, mp_size: int, device: torch.device, dtype: torch.dtype) -> None:
@@ -669,13 +715,18 @@ def full_shapes(args: ModelArgs) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
+def check_new_output_dir(out_dir) -> Path:
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} already exists and is not empty; choose a new output folder")
+    return out_dir
+
+
 @contextmanager
 def atomic_output_dir(out_dir) -> Iterator[Path]:
     """Write into a temporary sibling folder and rename it to `out_dir` only once everything is written,
     so a half-written folder never looks like a finished checkpoint."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{out_dir} already exists and is not empty; choose a new output folder")
+    out_dir = check_new_output_dir(out_dir)
     tmp_dir = out_dir.with_name(f".{out_dir.name}.partial")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
@@ -698,7 +749,8 @@ def write_meta_checkpoint(out_dir, params: dict, tensors: Dict[str, torch.Tensor
             shard = {}
             for key, tensor in tensors.items():
                 dim = split_dim(key)
-                shard[key] = tensor if dim is None else tensor.chunk(n_shards, dim=dim)[rank]
+                replicated = dim is None or dim >= tensor.ndim
+                shard[key] = tensor if replicated else tensor.chunk(n_shards, dim=dim)[rank]
             save_shard(shard, tmp_dir / f"consolidated.{rank:02d}.pth")
 
 

@@ -1,10 +1,12 @@
-"""Convert checkpoints between Meta's layout and Hugging Face's, in either direction.
+"""Convert checkpoints between Meta's layout and Hugging Face's, in either direction, or quantize one.
 
-    python -m llama.convert to-hf   META_DIR OUT_DIR [--max_shard_gb 5]
-    python -m llama.convert to-meta HF_DIR   OUT_DIR [--model_parallel_size N]
+    python -m llama.convert to-hf    META_DIR OUT_DIR [--max_shard_gb 5]
+    python -m llama.convert to-meta  HF_DIR   OUT_DIR [--model_parallel_size N]
+    python -m llama.convert quantize CKPT_DIR OUT_DIR --scheme int8|int4 [--group_size 32] [--model_parallel_size N]
 
-Tensors are streamed: at most one output file's worth of weights is in memory at a time. The output is
-written to a temporary folder and renamed when complete, so an interrupted run never looks finished.
+Tensors are streamed: at most one output file's worth of weights is in memory at a time (for `quantize`, the
+quantized weights and one layer in floating point). The output is written to a temporary folder and renamed
+when complete, so an interrupted run never looks finished.
 """
 
 import argparse
@@ -18,17 +20,31 @@ import torch
 from safetensors.torch import save_file
 
 from llama.checkpoint import (
+    LINEAR_LAYERS,
+    META_PARAMS,
     atomic_output_dir,
     check_model_parallel_size,
+    check_new_output_dir,
     find_tokenizer,
+    full_shapes,
     hf_config,
     meta_to_hf_name,
     model_args_from,
     open_checkpoint,
     permute_for_rotate_half,
     save_shard,
+    split_dim,
+    write_meta_checkpoint,
 )
 from llama.cli import user_errors
+from llama.quantize import (
+    DEFAULT_GROUP_SIZE,
+    check_group_size,
+    check_scheme,
+    quantize_for_saving,
+    saved_quantization,
+    saved_shapes,
+)
 
 
 def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -36,6 +52,11 @@ def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> No
     reader = open_checkpoint(src)
     if reader.format != "meta":
         raise ValueError(f"{src} is not a Meta checkpoint (no params.json); did you mean `to-meta`?")
+    if saved_quantization(reader.params, src / META_PARAMS):
+        raise ValueError(
+            f"{src} holds quantized weights, which Hugging Face's layout has no place for; convert the "
+            "floating-point checkpoint it was made from"
+        )
     args, _ = model_args_from(reader.params)
     tied = "output.weight" not in reader.shapes
     params = dict(reader.params, **({"tie_word_embeddings": True} if tied else {}))
@@ -80,6 +101,41 @@ def hf_to_meta(src: Path, out_dir: Path, model_parallel_size: int = 1) -> None:
         copy_tokenizer(src, tmp_dir)
 
 
+def quantize_checkpoint(
+    src: Path, out_dir: Path, scheme: str, group_size: Optional[int] = None, model_parallel_size: int = 1
+) -> None:
+    """Write a Meta folder of `src` (Meta or Hugging Face) with its linear layers and output head quantized, for
+    `Llama.build` to load as stored (see `llama.quantize`); params.json records the scheme under "quantization"."""
+    check_scheme(scheme)
+    group_size = check_group_size(group_size) if scheme == "int4" else None
+    src, out_dir = Path(src), check_new_output_dir(out_dir)
+    reader = open_checkpoint(src)
+    if saved_quantization(reader.params, src / META_PARAMS):
+        raise ValueError(f"{src} is already quantized; quantize the floating-point checkpoint it was made from")
+    args, _ = model_args_from(reader.params)
+    check_model_parallel_size(args, model_parallel_size, setting="--model_parallel_size")
+    shapes = full_shapes(args)
+    linear_keys = [key for key in shapes if key.split(".")[-2] in LINEAR_LAYERS]
+    for key in linear_keys:  # a split that cuts int4 groups is refused before any work is done
+        saved_shapes(*shapes[key], split_dim(key) == 1, scheme, group_size, model_parallel_size)
+    tensors, float_bytes = {}, 0
+    for index, key in enumerate(shapes):
+        tensor = read_full(reader, key if key in reader.shapes else "tok_embeddings.weight")  # a tied head
+        float_bytes += tensor.numel() * tensor.element_size()
+        if key in linear_keys:
+            name = key.removesuffix(".weight")
+            tensors.update({f"{name}.{f}": t for f, t in quantize_for_saving(tensor, scheme, group_size).items()})
+            print(f"[{index + 1}/{len(shapes)}] quantized {key} {tuple(tensor.shape)}", flush=True)
+        else:
+            tensors[key] = tensor.to(torch.bfloat16)
+    params = {k: v for k, v in reader.params.items() if k != "tie_word_embeddings"}  # the head is stored
+    params["quantization"] = {"scheme": scheme, **({"group_size": group_size} if group_size else {})}
+    write_meta_checkpoint(out_dir, params, tensors, model_parallel_size)
+    copy_tokenizer(src, out_dir)
+    quantized_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    print(f"Weights: {float_bytes / 2**20:.0f} MiB as stored, {quantized_bytes / 2**20:.0f} MiB quantized")
+
+
 def read_full(reader, key: str) -> torch.Tensor:
     return reader.read_shard(key, 0, 1)
 
@@ -118,13 +174,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     to_meta.add_argument("src", type=Path)
     to_meta.add_argument("out_dir", type=Path)
     to_meta.add_argument("--model_parallel_size", type=int, default=1, help="consolidated.NN.pth shards to write")
+    quantize = sub.add_parser("quantize", help="Meta or Hugging Face checkpoint -> quantized Meta checkpoint")
+    quantize.add_argument("src", type=Path)
+    quantize.add_argument("out_dir", type=Path)
+    quantize.add_argument("--scheme", required=True, help="int8 or int4 (see docs/quantize.md)")
+    quantize.add_argument("--group_size", type=int, help=f"int4's group size: 256, 128, 64 or {DEFAULT_GROUP_SIZE}")
+    quantize.add_argument("--model_parallel_size", type=int, default=1, help="consolidated.NN.pth shards to write")
     args = parser.parse_args(argv)
     start = time.time()
-    with user_errors(["max_shard_gb", "model_parallel_size"]):
+    with user_errors(["max_shard_gb", "model_parallel_size", "group_size"]):
         if args.direction == "to-hf":
             meta_to_hf(args.src, args.out_dir, int(args.max_shard_gb * 2**30))
-        else:
+        elif args.direction == "to-meta":
             hf_to_meta(args.src, args.out_dir, args.model_parallel_size)
+        else:
+            quantize_checkpoint(args.src, args.out_dir, args.scheme, args.group_size, args.model_parallel_size)
     print(f"Converted {args.src} to {args.out_dir} in {time.time() - start:.1f} seconds")
 
 

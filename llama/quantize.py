@@ -10,7 +10,7 @@ Scales never depend on how a weight is split over model-parallel processes: an i
 straddle a split. So 1 and N processes quantize every weight identically.
 """
 
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
@@ -175,25 +175,39 @@ class Int4Linear(QuantizedLinear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+def int4_group_for(
+    rows: int, cols: int, group_size: Optional[int], row_parallel: bool = False, mp_size: int = 1
+) -> Optional[int]:
+    """The int4 group size of a `rows` x `cols` weight (its whole shape, so the same on any number of processes),
+    or None when int4 cannot hold it and it is quantized to int8.
+
+    Raises:
+        ValueError: when splitting the weight over `mp_size` processes would cut its groups.
+    """
+    size = int4_group_size(cols, group_size) if rows % INT4_ROWS == 0 else None
+    local_rows, local_cols = (rows, cols // mp_size) if row_parallel else (rows // mp_size, cols)
+    if size is not None and (local_cols % size or local_rows % INT4_ROWS):
+        raise ValueError(
+            f"A {rows} x {cols} weight split over {mp_size} processes cuts its int4 groups of {size} inputs or "
+            f"{INT4_ROWS} outputs; use fewer processes or a smaller group_size"
+        )
+    return size
+
+
+def whole_shape(layer: nn.Module) -> Tuple[int, int]:
+    """(out_features, in_features) of a fairscale linear layer's whole weight, whatever slice this process holds."""
+    return layer.out_features, layer.in_features
+
+
 def quantize_layer(layer: nn.Module, scheme: str, group_size: Optional[int] = None) -> nn.Module:
     """A quantized copy of one fairscale linear layer (or `ParallelLinear`), this process's slice of it."""
     if isinstance(layer, ParallelLinear):
         layer = layer.unpack()  # the fairscale layer, given its weight back
     weight = layer.weight
     row_parallel = isinstance(layer, RowParallelLinear)
-    mp_size = fs_init.get_model_parallel_world_size()
     if scheme == "int4":
-        # Decided from the whole weight's shape, so that it is the same on any number of processes.
-        rows, cols = (
-            weight.shape[0] * (1 if row_parallel else mp_size),
-            weight.shape[1] * (mp_size if row_parallel else 1),
-        )
-        size = int4_group_size(cols, group_size) if rows % INT4_ROWS == 0 else None
-        if size is not None and (weight.shape[1] % size or weight.shape[0] % INT4_ROWS):
-            raise ValueError(
-                f"A {rows} x {cols} weight split over {mp_size} processes cuts its int4 groups of {size} inputs or "
-                f"{INT4_ROWS} outputs; use fewer processes or a smaller group_size"
-            )
+        mp_size = fs_init.get_model_parallel_world_size()
+        size = int4_group_for(*whole_shape(layer), group_size, row_parallel, mp_size)
         if size is not None:
             return Int4Linear(layer, *quantize_int4(weight, size, weight.dtype))
     absmax = None
@@ -238,3 +252,72 @@ def is_quantized(layer: nn.Module) -> bool:
 def quantized_bytes(model: nn.Module) -> int:
     """Bytes of the quantized layers' tensors (quantized values, scales and zeros) in `model`."""
     return sum(t.numel() * t.element_size() for m in model.modules() if is_quantized(m) for t in m.buffers())
+
+
+# A quantized checkpoint (`python -m llama.convert quantize`) stores each linear layer of the model as
+# "<name>.weight" (int8, or for int4 two 4-bit values per uint8: even inputs in the low nibble), "<name>.scales"
+# and, for int4, "<name>.zeros", in the portable layout of `quantize_int8` and `quantize_int4`; params.json names
+# the scheme under "quantization". The kernel's layout is made at load, for the device at hand.
+SAVED_SCALES_DTYPE = torch.bfloat16  # the dtype quantized checkpoints are made in
+
+
+def saved_quantization(params: dict, path) -> Optional[Tuple[str, Optional[int]]]:
+    """(scheme, group size) of a quantized checkpoint's params.json, None for a floating-point one."""
+    saved = params.get("quantization")
+    if saved is None:
+        return None
+    scheme = saved.get("scheme") if isinstance(saved, dict) else None
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"{path} says the checkpoint is quantized as {saved!r}, a scheme this version of llama does not know "
+            f"(it knows {', '.join(SCHEMES)}); load it with the llama version that wrote it, or quantize the "
+            "original checkpoint again with `python -m llama.convert quantize`"
+        )
+    group_size = saved.get("group_size")
+    if scheme == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"{path}: quantization group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+    return scheme, group_size
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    return q[:, ::2] | q[:, 1::2] << 4
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
+
+
+def saved_shapes(
+    rows: int, cols: int, row_parallel: bool, scheme: str, group_size: Optional[int], mp_size: int
+) -> Dict[str, tuple]:
+    """The shapes of one process's slice of what a quantized checkpoint stores for a linear layer whose whole
+    weight is `rows` x `cols`, by tensor name.
+
+    Raises:
+        ValueError: when splitting the layer over `mp_size` processes would cut its int4 groups.
+    """
+    size = int4_group_for(rows, cols, group_size, row_parallel, mp_size) if scheme == "int4" else None
+    rows, cols = (rows, cols // mp_size) if row_parallel else (rows // mp_size, cols)
+    if size is None:
+        return {"weight": (rows, cols), "scales": (rows,)}  # int8; a split row keeps the whole row's scale
+    return {"weight": (rows, cols // 2), "scales": (rows, cols // size), "zeros": (rows, cols // size)}
+
+
+def quantize_for_saving(weight: torch.Tensor, scheme: str, group_size: Optional[int]) -> Dict[str, torch.Tensor]:
+    """What a quantized checkpoint stores for a linear layer, given its whole floating-point `weight`."""
+    weight = weight.to(SAVED_SCALES_DTYPE)
+    size = int4_group_for(*weight.shape, group_size) if scheme == "int4" else None
+    if size is None:
+        q, scales = quantize_int8(weight, SAVED_SCALES_DTYPE)
+        return {"weight": q, "scales": scales}
+    q, scales, zeros = quantize_int4(weight, size, SAVED_SCALES_DTYPE)
+    return {"weight": pack_nibbles(q), "scales": scales, "zeros": zeros}
+
+
+def layer_from_saved(
+    layer: nn.Module, weight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor] = None
+) -> QuantizedLinear:
+    """The quantized layer for this process's slice of what a quantized checkpoint stores for `layer`."""
+    if zeros is None:
+        return Int8Linear(layer, weight, scales)
+    return Int4Linear(layer, unpack_nibbles(weight), scales, zeros)

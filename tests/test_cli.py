@@ -1,6 +1,7 @@
 """The command lines: a mistyped flag or a bad value stops the script before anything loads, and a user's mistake
 is one line naming the flag to change, never a traceback."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +140,17 @@ def test_convert_user_errors_are_one_line(tmp_path):
     result = run("-m", "llama.convert", "to-hf", tmp_path / "missing", tmp_path / "out")
     missing = tmp_path / "missing"
     assert (result.returncode, result.stderr) == (2, f"error: Checkpoint directory {missing} does not exist\n")
+
+
+@pytest.mark.slow
+def test_convert_quantize_names_the_flag_at_fault(tiny_checkpoint, tmp_path):
+    result = run(
+        "-m", "llama.convert", "quantize", tiny_checkpoint, tmp_path / "q", "--scheme", "int4", "--group_size", "100"
+    )
+    assert (result.returncode, result.stderr) == (2, "error: --group_size must be one of (256, 128, 64, 32), got 100\n")
+    result = run("-m", "llama.convert", "quantize", tiny_checkpoint, tmp_path / "q", "--scheme", "int4")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "q" / "params.json").read_text())["quantization"] == {
+        "scheme": "int4",
+        "group_size": 32,
+    }

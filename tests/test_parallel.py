@@ -273,12 +273,21 @@ def test_resharding(name, n_shards, nproc, checkpoint, reference, two_processes,
 
 
 @pytest.mark.parametrize("scheme, n_shards", [("int8", 2), ("int4", 1)], ids=["int8-native", "int4-resharded"])
-def test_quantized_two_processes_match_one_process(scheme, n_shards, checkpoint, tokenizer_path, tmp_path):
+@pytest.mark.parametrize("stored", [False, True], ids=["at-load", "quantized-checkpoint"])
+def test_quantized_two_processes_match_one_process(scheme, n_shards, stored, checkpoint, tokenizer_path, tmp_path):
     """Each process quantizes its own slice, to the same values one process gives the whole weight: row-parallel
-    layers (wo, w2) included, so the greedy tokens are the same."""
-    one = launch(plain_python(), checkpoint("quant", 1), tokenizer_path, tmp_path / "one", "--quantize", scheme)
+    layers (wo, w2) included, so the greedy tokens are the same. So does a checkpoint quantized by `llama.convert
+    quantize`, from its native shards or resharded (made in bfloat16, it is checked against itself in one
+    process, as the worker decodes in float32)."""
+    one_ckpt, two_ckpt = checkpoint("quant", 1), checkpoint("quant", n_shards)
+    if stored:
+        from llama.convert import quantize_checkpoint
+
+        quantize_checkpoint(one_ckpt, tmp_path / "quantized", scheme, model_parallel_size=n_shards)
+        one_ckpt = two_ckpt = tmp_path / "quantized"
+    one = launch(plain_python(), one_ckpt, tokenizer_path, tmp_path / "one", "--quantize", scheme)
     assert one.returncodes == [0], one.stderrs[0]
-    two = launch(single_node(2), checkpoint("quant", n_shards), tokenizer_path, tmp_path / "two", "--quantize", scheme)
+    two = launch(single_node(2), two_ckpt, tokenizer_path, tmp_path / "two", "--quantize", scheme)
     assert two.returncodes == [0], two.stderrs[0]
     greedy = one.results(1)[0]["greedy"]
     assert len({tuple(row) for row in greedy}) == 4

@@ -4,6 +4,8 @@ dequantized weights' math, layers int4 cannot hold, `quantize_model` on a model 
 processes: test_parallel.py.
 """
 
+import json
+
 import pytest
 import torch
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -11,6 +13,7 @@ from helpers import GQA_PARAMS
 
 from llama import Llama
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
+from llama.convert import meta_to_hf, quantize_checkpoint
 from llama.demo import random_weights
 from llama.generation import use_inference_layers
 from llama.model import Transformer
@@ -22,6 +25,7 @@ from llama.quantize import (
     quantize_int8,
     quantize_layer,
     quantize_model,
+    quantized_bytes,
 )
 
 
@@ -144,3 +148,49 @@ def test_bad_group_size_and_device_without_kernels_are_clear_errors(process_grou
         quantize_model(model, "int4", group_size=100)
     with pytest.raises(ValueError, match="PyTorch has no such kernel for meta"):
         quantize_model(model.to("meta"), "int8")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("n_shards", [1, 2])
+def test_quantized_checkpoint_loads_as_quantizing_at_load_does(process_group, tmp_path, scheme, n_shards):
+    """`python -m llama.convert quantize` writes quantized weights only (no float copy of a linear layer), and
+    loading them, from 1 or 2 shards into one process, gives the logits that quantizing at load gives."""
+    reader, args = tiny_reader(tmp_path)
+    quantize_checkpoint(tmp_path / "ckpt", tmp_path / "q", scheme, model_parallel_size=n_shards)
+    shard = torch.load(tmp_path / "q" / "consolidated.00.pth", weights_only=True)
+    stored_dtype = {"int8": torch.int8, "int4": torch.uint8}[scheme]
+    assert shard["layers.1.feed_forward.w2.weight"].dtype == stored_dtype
+    assert shard["output.weight"].dtype == stored_dtype
+    float_keys = {key for key, tensor in shard.items() if tensor.is_floating_point()}
+    assert all(key.endswith(("scales", "zeros", "norm.weight")) for key in float_keys - {"tok_embeddings.weight"})
+
+    cpu = torch.device("cpu")
+    expected = load_model(reader, args, 0, 1, cpu, torch.bfloat16, quantize=scheme)
+    stored = open_checkpoint(tmp_path / "q")
+    loaded = load_model(stored, args, 0, 1, cpu, torch.bfloat16)
+    assert quantized_bytes(loaded) == quantized_bytes(expected)
+    tokens = torch.randint(0, args.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(loaded(tokens, 0), expected(tokens, 0), atol=0, rtol=0)
+
+
+def test_quantized_checkpoint_errors(process_group, tiny_checkpoint, tokenizer_path, tmp_path):
+    quantized = tmp_path / "q8"
+    quantize_checkpoint(tiny_checkpoint, quantized, "int8")
+    generator = Llama.build(str(quantized), tokenizer_path, max_seq_len=32, max_batch_size=1)  # loads as stored
+    assert generator.model.output.weight.dtype == torch.int8
+    assert generator.model.tok_embeddings.weight.dtype == torch.bfloat16  # as with quantize= on the CPU
+    with pytest.raises(ValueError, match="quantized as int8; they cannot be loaded as int4. Pass quantize='int8'"):
+        Llama.build(str(quantized), tokenizer_path, max_seq_len=32, max_batch_size=1, quantize="int4")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_checkpoint(quantized, tmp_path / "again", "int4")
+    with pytest.raises(ValueError, match="Hugging Face's layout has no place for"):
+        meta_to_hf(quantized, tmp_path / "hf")
+
+    params = json.loads((quantized / "params.json").read_text())
+    params["quantization"] = {"scheme": "fp8"}
+    (quantized / "params.json").write_text(json.dumps(params))
+    with pytest.raises(ValueError, match="quantized as {'scheme': 'fp8'}, a scheme this version of llama does not"):
+        Llama.build(str(quantized), tokenizer_path, max_seq_len=32, max_batch_size=1)
+    with pytest.raises(ValueError, match="Unknown quantization scheme 'int2'"):
+        quantize_checkpoint(tiny_checkpoint, tmp_path / "bad", "int2")
+    assert not (tmp_path / "bad").exists()
