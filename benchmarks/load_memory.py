@@ -4,6 +4,7 @@
     python benchmarks/load_memory.py --shards 2 --nprocs 1 2 4 --dtype float32
     python benchmarks/load_memory.py --ckpt-dir DIR --nprocs 8    # an existing Meta checkpoint
     python benchmarks/load_memory.py --nprocs 1 --quantize int4   # quantized as it loads: Llama.build(quantize=)
+    python benchmarks/load_memory.py --nprocs 1 --quantize int4 --saved  # a `llama.convert quantize` checkpoint
 
 It writes a random checkpoint in Meta's layout (bf16, as Meta ships them) to a temporary folder, then runs
 `torchrun --nproc_per_node M` on that same folder for each M (so N shards on disk are merged or split for M
@@ -171,6 +172,7 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, nargs="+", default=[1, 2, 4], help="process counts M to load with")
     parser.add_argument("--dtype", default="bfloat16", help="Llama.build's dtype (CPU default: float32)")
     parser.add_argument("--quantize", choices=["int8", "int4"], help="Llama.build's quantize")
+    parser.add_argument("--saved", action="store_true", help="with --quantize: load a quantized checkpoint instead")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.worker:
@@ -193,6 +195,12 @@ def main() -> None:
             start = time.time()
             write_checkpoint(ckpt_dir, params, args.shards, args.seed)
             print(f"  done in {time.time() - start:.1f} s", flush=True)
+        if args.saved:
+            from llama.convert import quantize_checkpoint
+
+            print(f"Quantizing it to {args.quantize} with llama.convert ...", flush=True)
+            quantize_checkpoint(ckpt_dir, tmp / "quantized", args.quantize, model_parallel_size=args.shards)
+            ckpt_dir = tmp / "quantized"
         shards = sorted(ckpt_dir.glob("*.pth"))
         ckpt_bytes = sum(f.stat().st_size for f in shards)
         print(f"Checkpoint: {len(shards)} shard(s), {ckpt_bytes / MIB:.0f} MiB on disk; load dtype {args.dtype}")

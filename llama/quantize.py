@@ -85,11 +85,20 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype, absmax: Optional[tor
     return q, scales
 
 
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Values in [0, 15], two per byte: the even inputs in the low nibble."""
+    return q[:, ::2] | q[:, 1::2] << 4
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
+
+
 def quantize_int4(weight: torch.Tensor, group_size: int, dtype: torch.dtype):
-    """(q uint8 in [0, 15], scales, zeros) of a 2-D weight, in groups of `group_size` along each row; scales
-    and zeros have one column per group, in `dtype`."""
+    """(q, scales, zeros) of a 2-D weight, in groups of `group_size` along each row: q holds values in [0, 15], two
+    per byte (`pack_nibbles`); scales and zeros have one column per group, in `dtype`."""
     rows, cols = weight.shape
-    q = torch.empty(weight.shape, dtype=torch.uint8, device=weight.device)
+    q = torch.empty(rows, cols // 2, dtype=torch.uint8, device=weight.device)
     scales = torch.empty(rows, cols // group_size, dtype=dtype, device=weight.device)
     zeros = torch.empty_like(scales)
     for start, chunk in zip(range(0, rows, ROWS_PER_CHUNK), row_chunks(weight)):
@@ -100,15 +109,16 @@ def quantize_int4(weight: torch.Tensor, group_size: int, dtype: torch.dtype):
         zero = (low + 8 * scale.float()).to(dtype)  # the value of q = 8
         safe = torch.where(scale > 0, scale.float(), 1.0)
         levels = torch.round((groups - zero.float()[..., None]) / safe[..., None]) + 8
-        q[rows_here] = levels.clamp(0, 15).to(torch.uint8).view(chunk.shape)
+        q[rows_here] = pack_nibbles(levels.clamp(0, 15).to(torch.uint8).view(chunk.shape))
         scales[rows_here], zeros[rows_here] = scale, zero
     return q, scales, zeros
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The float32 weight that a quantized one stands for."""
+    """The float32 weight that a quantized one (from `quantize_int8`, or with `zeros` `quantize_int4`) stands for."""
     if zeros is None:
         return q.float() * scales.float()[:, None]
+    q = unpack_nibbles(q)
     group_size = q.shape[1] // scales.shape[1]
     expand = lambda t: t.float().repeat_interleave(group_size, dim=1)  # noqa: E731
     return (q.float() - 8) * expand(scales) + expand(zeros)
@@ -147,23 +157,23 @@ class Int4Linear(QuantizedLinear):
     """A fairscale linear layer with an int4 weight, held in the layout of PyTorch's int4 kernel for its device
     (`weight`, `scales_and_zeros`): a runtime form, not a file format (docs/quantize.md)."""
 
-    def __init__(self, layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
+    def __init__(self, layer: nn.Module, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
+        """`nibbles`: the values q in [0, 15], two per byte (`pack_nibbles`); `scales`, `zeros`: one column per
+        group."""
         super().__init__(layer)
         del self.weight
-        self.group_size = q.shape[1] // scales.shape[1]
-        if q.device.type == "cpu":
-            # Packed a block of rows at a time (the same bytes as all at once), to bound the int32 temporary.
-            blocks = q.split(ROWS_PER_CHUNK)
-            packed = torch.cat(
-                [torch.ops.aten._convert_weight_to_int4pack_for_cpu(b.to(torch.int32), 2) for b in blocks]
-            )
-        else:
-            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # the CUDA kernel's nibble order
-            packed = torch.ops.aten._convert_weight_to_int4pack(pairs, 8)
+        self.group_size = nibbles.shape[1] * 2 // scales.shape[1]
+        if nibbles.device.type == "cpu":
+            # Converted a block of rows at a time (the same bytes as all at once), to bound the int32 temporary.
+            blocks = nibbles.split(ROWS_PER_CHUNK)
+            convert = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+            packed = torch.cat([convert(unpack_nibbles(block).to(torch.int32), 2) for block in blocks])
+        else:  # the CUDA kernel takes the even input of each pair in the high nibble
+            packed = torch.ops.aten._convert_weight_to_int4pack(nibbles << 4 | nibbles >> 4, 8)
         self.register_buffer("weight", packed)
         # (groups, out_features, 2): each group's scale and zero, for every output channel
         self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).contiguous())
-        self.out_features = q.shape[0]
+        self.out_features = nibbles.shape[0]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -279,14 +289,6 @@ def saved_quantization(params: dict, path) -> Optional[Tuple[str, Optional[int]]
     return scheme, group_size
 
 
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    return q[:, ::2] | q[:, 1::2] << 4
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
-
-
 def saved_shapes(
     rows: int, cols: int, row_parallel: bool, scheme: str, group_size: Optional[int], mp_size: int
 ) -> Dict[str, tuple]:
@@ -311,7 +313,7 @@ def quantize_for_saving(weight: torch.Tensor, scheme: str, group_size: Optional[
         q, scales = quantize_int8(weight, SAVED_SCALES_DTYPE)
         return {"weight": q, "scales": scales}
     q, scales, zeros = quantize_int4(weight, size, SAVED_SCALES_DTYPE)
-    return {"weight": pack_nibbles(q), "scales": scales, "zeros": zeros}
+    return {"weight": q, "scales": scales, "zeros": zeros}
 
 
 def layer_from_saved(
@@ -320,4 +322,4 @@ def layer_from_saved(
     """The quantized layer for this process's slice of what a quantized checkpoint stores for `layer`."""
     if zeros is None:
         return Int8Linear(layer, weight, scales)
-    return Int4Linear(layer, unpack_nibbles(weight), scales, zeros)
+    return Int4Linear(layer, weight, scales, zeros)

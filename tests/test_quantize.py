@@ -26,6 +26,7 @@ from llama.quantize import (
     quantize_layer,
     quantize_model,
     quantized_bytes,
+    unpack_nibbles,
 )
 
 
@@ -47,7 +48,8 @@ def test_int4_rounds_each_weight_to_the_nearest_of_16_levels_of_its_group():
     weight = random_weight(32, 128)
     q, scales, zeros = quantize_int4(weight, 32, torch.float32)
     assert scales.shape == zeros.shape == (32, 4)
-    assert q.min() == 0 and q.max() == 15
+    assert q.shape == (32, 64)  # two values per byte
+    assert unpack_nibbles(q).min() == 0 and unpack_nibbles(q).max() == 15
     error = (dequantize(q, scales, zeros) - weight).abs()
     assert (error <= scales.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
 
