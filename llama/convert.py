@@ -32,6 +32,7 @@ from llama.checkpoint import (
     model_args_from,
     open_checkpoint,
     permute_for_rotate_half,
+    rank_weights,
     save_shard,
     split_dim,
     write_meta_checkpoint,
@@ -39,6 +40,7 @@ from llama.checkpoint import (
 from llama.cli import user_errors
 from llama.quantize import (
     DEFAULT_GROUP_SIZE,
+    SAVED_DTYPE,
     check_group_size,
     check_scheme,
     quantize_for_saving,
@@ -118,22 +120,24 @@ def quantize_checkpoint(
     linear_keys = [key for key in shapes if key.split(".")[-2] in LINEAR_LAYERS]
     for key in linear_keys:  # a split that cuts int4 groups is refused before any work is done
         saved_shapes(*shapes[key], split_dim(key) == 1, scheme, group_size, model_parallel_size)
-    tensors, float_bytes = {}, 0
-    for index, key in enumerate(shapes):
-        tensor = read_full(reader, key if key in reader.shapes else "tok_embeddings.weight")  # a tied head
-        float_bytes += tensor.numel() * tensor.element_size()
+    tensors = {}
+    expected = {key: torch.Size(shape) for key, shape in shapes.items()}
+    cpu = torch.device("cpu")
+    # Keys and shapes checked against params.json first; a tied head comes as the embedding.
+    for index, (key, tensor) in enumerate(rank_weights(reader, expected, 0, 1, SAVED_DTYPE, cpu)):
         if key in linear_keys:
             name = key.removesuffix(".weight")
             tensors.update({f"{name}.{f}": t for f, t in quantize_for_saving(tensor, scheme, group_size).items()})
             print(f"[{index + 1}/{len(shapes)}] quantized {key} {tuple(tensor.shape)}", flush=True)
         else:
-            tensors[key] = tensor.to(torch.bfloat16)
+            tensors[key] = tensor
     params = {k: v for k, v in reader.params.items() if k != "tie_word_embeddings"}  # the head is stored
     params["quantization"] = {"scheme": scheme, **({"group_size": group_size} if group_size else {})}
     write_meta_checkpoint(out_dir, params, tensors, model_parallel_size)
     copy_tokenizer(src, out_dir)
+    source_bytes = sum(shape.numel() for shape in reader.shapes.values()) * reader.dtype.itemsize
     quantized_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    print(f"Weights: {float_bytes / 2**20:.0f} MiB as stored, {quantized_bytes / 2**20:.0f} MiB quantized")
+    print(f"Weights: {source_bytes / 2**20:.0f} MiB in {src}, {quantized_bytes / 2**20:.0f} MiB quantized")
 
 
 def read_full(reader, key: str) -> torch.Tensor:

@@ -268,7 +268,7 @@ def quantized_bytes(model: nn.Module) -> int:
 # "<name>.weight" (int8, or for int4 two 4-bit values per uint8: even inputs in the low nibble), "<name>.scales"
 # and, for int4, "<name>.zeros", in the portable layout of `quantize_int8` and `quantize_int4`; params.json names
 # the scheme under "quantization". The kernel's layout is made at load, for the device at hand.
-SAVED_SCALES_DTYPE = torch.bfloat16  # the dtype quantized checkpoints are made in
+SAVED_DTYPE = torch.bfloat16  # quantized checkpoints are made from bfloat16 weights and hold bfloat16 floats
 
 
 def saved_quantization(params: dict, path) -> Optional[Tuple[str, Optional[int]]]:
@@ -307,12 +307,12 @@ def saved_shapes(
 
 def quantize_for_saving(weight: torch.Tensor, scheme: str, group_size: Optional[int]) -> Dict[str, torch.Tensor]:
     """What a quantized checkpoint stores for a linear layer, given its whole floating-point `weight`."""
-    weight = weight.to(SAVED_SCALES_DTYPE)
+    weight = weight.to(SAVED_DTYPE)
     size = int4_group_for(*weight.shape, group_size) if scheme == "int4" else None
     if size is None:
-        q, scales = quantize_int8(weight, SAVED_SCALES_DTYPE)
+        q, scales = quantize_int8(weight, SAVED_DTYPE)
         return {"weight": q, "scales": scales}
-    q, scales, zeros = quantize_int4(weight, size, SAVED_SCALES_DTYPE)
+    q, scales, zeros = quantize_int4(weight, size, SAVED_DTYPE)
     return {"weight": q, "scales": scales, "zeros": zeros}
 
 
