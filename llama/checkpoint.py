@@ -583,17 +583,11 @@ def load_model(
     expected_shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
     linear = (ColumnParallelLinear, RowParallelLinear)
     stored = {name: {} for name, m in model.named_modules() if isinstance(m, linear)}  # name -> stored shapes
-    if saved:  # each linear layer's weight is stored as its quantized tensors, under the layer's name
-        float_shapes, expected_shapes = expected_shapes, {}
-        for key, shape in float_shapes.items():
-            name = key.removesuffix(".weight")
-            if name not in stored:
-                expected_shapes[key] = shape
-                continue
+    if saved:
+        for name in stored:
             layer = model.get_submodule(name)
-            row_parallel = isinstance(layer, RowParallelLinear)
-            stored[name] = saved_shapes(*whole_shape(layer), row_parallel, quantize, group_size, mp_size)
-            expected_shapes.update({f"{name}.{field}": torch.Size(s) for field, s in stored[name].items()})
+            stored[name] = saved_shapes(*whole_shape(layer), isinstance(layer, RowParallelLinear), *saved, mp_size)
+        expected_shapes = with_quantized_shapes(expected_shapes, stored)
     weights, parts = {}, {}
     for key, tensor in rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device):
         name, _, field = key.rpartition(".")
@@ -610,6 +604,19 @@ def load_model(
     model.load_state_dict(weights, strict=not quantize, assign=True)
     model.init_kv_caches(device, dtype)
     return model.eval()
+
+
+def with_quantized_shapes(float_shapes: Dict[str, torch.Size], stored: Dict[str, dict]) -> Dict[str, torch.Size]:
+    """`float_shapes` (a state dict's shapes) with each linear layer's weight replaced by the tensors a quantized
+    checkpoint stores for it (`stored`: layer name -> tensor name -> shape), in the same order."""
+    shapes = {}
+    for key, shape in float_shapes.items():
+        name = key.removesuffix(".weight")
+        if name in stored:
+            shapes.update({f"{name}.{field}": field_shape for field, field_shape in stored[name].items()})
+        else:
+            shapes[key] = shape
+    return shapes
 
 
 def load_checkpoint(

@@ -291,7 +291,7 @@ def saved_quantization(params: dict, path) -> Optional[Tuple[str, Optional[int]]
 
 def saved_shapes(
     rows: int, cols: int, row_parallel: bool, scheme: str, group_size: Optional[int], mp_size: int
-) -> Dict[str, tuple]:
+) -> Dict[str, torch.Size]:
     """The shapes of one process's slice of what a quantized checkpoint stores for a linear layer whose whole
     weight is `rows` x `cols`, by tensor name.
 
@@ -300,9 +300,10 @@ def saved_shapes(
     """
     size = int4_group_for(rows, cols, group_size, row_parallel, mp_size) if scheme == "int4" else None
     rows, cols = (rows, cols // mp_size) if row_parallel else (rows // mp_size, cols)
-    if size is None:
-        return {"weight": (rows, cols), "scales": (rows,)}  # int8; a split row keeps the whole row's scale
-    return {"weight": (rows, cols // 2), "scales": (rows, cols // size), "zeros": (rows, cols // size)}
+    if size is None:  # int8; a split row keeps the whole row's scale
+        return {"weight": torch.Size([rows, cols]), "scales": torch.Size([rows])}
+    groups = torch.Size([rows, cols // size])
+    return {"weight": torch.Size([rows, cols // 2]), "scales": groups, "zeros": groups}
 
 
 def quantize_for_saving(weight: torch.Tensor, scheme: str, group_size: Optional[int]) -> Dict[str, torch.Tensor]:

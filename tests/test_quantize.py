@@ -188,6 +188,14 @@ def test_quantized_checkpoint_errors(process_group, tiny_checkpoint, tokenizer_p
     with pytest.raises(ValueError, match="Hugging Face's layout has no place for"):
         meta_to_hf(quantized, tmp_path / "hf")
 
+    int4 = tmp_path / "q4"
+    quantize_checkpoint(tiny_checkpoint, int4, "int4", group_size=32)
+    params = json.loads((int4 / "params.json").read_text())
+    params["quantization"]["group_size"] = 64  # not what the stored scales and zeros were made with
+    (int4 / "params.json").write_text(json.dumps(params))
+    with pytest.raises(ValueError, match=r"layers.0.attention.wq.scales in .* has shape \(64, 2\), but .* \(64, 1\)"):
+        Llama.build(str(int4), tokenizer_path, max_seq_len=32, max_batch_size=1)
+
     params = json.loads((quantized / "params.json").read_text())
     params["quantization"] = {"scheme": "fp8"}
     (quantized / "params.json").write_text(json.dumps(params))
