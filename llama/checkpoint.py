@@ -683,7 +683,7 @@ def check_quantize_matches(quantize: Optional[str], saved_scheme: str, ckpt_dir)
     if quantize not in (None, saved_scheme):
         raise ValueError(
             f"{ckpt_dir} holds weights quantized as {saved_scheme}; they cannot be loaded as {quantize}. Pass "
-            f"quantize={saved_scheme!r} (or None), or quantize the floating-point checkpoint as {quantize}"
+            f"quantize={saved_scheme!r} or leave it out, or convert the floating-point checkpoint to {quantize}"
         )
 
 

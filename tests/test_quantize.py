@@ -204,3 +204,17 @@ def test_quantized_checkpoint_errors(process_group, tiny_checkpoint, tokenizer_p
     with pytest.raises(ValueError, match="Unknown quantization scheme 'int2'"):
         quantize_checkpoint(tiny_checkpoint, tmp_path / "bad", "int2")
     assert not (tmp_path / "bad").exists()
+
+
+def test_quantizing_a_hugging_face_folder_gives_the_meta_checkpoints_tensors(tmp_path):
+    tiny_reader(tmp_path)  # writes tmp_path / "ckpt"
+    meta_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+    quantize_checkpoint(tmp_path / "ckpt", tmp_path / "from_meta", "int4")
+    quantize_checkpoint(tmp_path / "hf", tmp_path / "from_hf", "int4")
+    from_meta = torch.load(tmp_path / "from_meta" / "consolidated.00.pth", weights_only=True)
+    from_hf = torch.load(tmp_path / "from_hf" / "consolidated.00.pth", weights_only=True)
+    assert from_meta.keys() == from_hf.keys()
+    for key in from_meta:  # q and k un-permuted from Hugging Face's layout before they are quantized
+        assert torch.equal(from_meta[key], from_hf[key]), key
+    meta_params = json.loads((tmp_path / "from_meta" / "params.json").read_text())
+    assert json.loads((tmp_path / "from_hf" / "params.json").read_text())["quantization"] == meta_params["quantization"]
