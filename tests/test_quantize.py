@@ -74,6 +74,8 @@ def fairscale_layer(kind, in_features: int, out_features: int, weight: torch.Ten
         ((32, 96), "int4", 64, Int4Linear, 32),  # 96 = 3 x 32
         ((32, 40), "int4", None, Int8Linear, None),  # no int4 group divides 40: the layer is int8
         ((40, 64), "int4", None, Int8Linear, None),  # the int4 CPU kernel takes outputs in multiples of 16 only
+        ((1040, 2048), "int8", None, Int8Linear, None),  # quantized in two blocks of rows (1024 and 16)
+        ((1040, 2048), "int4", None, Int4Linear, 32),  # quantized and converted in two blocks of rows
     ],
 )
 def test_quantized_layer_computes_with_the_dequantized_weight(
