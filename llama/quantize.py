@@ -8,6 +8,9 @@ PyTorch's own weight-only kernels; activations, norms, the embedding table and t
 Scales never depend on how a weight is split over model-parallel processes: an int8 row split along its input
 (wo, w2) takes the largest magnitude of the whole row (an all-reduce over the group), and int4 groups never
 straddle a split. So 1 and N processes quantize every weight identically.
+
+The same values can be written once, as a quantized checkpoint (`python -m llama.convert quantize`, layout below
+`SAVED_DTYPE`), and loaded as stored.
 """
 
 from typing import Dict, Optional, Tuple
