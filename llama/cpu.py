@@ -1,15 +1,20 @@
 """CPU speed-up, applied at load: each linear layer's matmul on the CPU kernel that runs it fastest.
 
-It keeps the reference math; only the order in which products are summed changes. Tests hold logits within
-1e-4 of the reference math in float32 and greedy tokens equal. Figures: `benchmarks/bench.py`.
+It keeps the reference math: only the order in which products are summed changes, and on float16 copies of
+bfloat16 weights (`pack_as_fp16`) the smallest weights round by less than 3e-8. Tests hold logits within 1e-4
+of the reference math in float32 and greedy tokens equal. Figures: `benchmarks/bench.py`.
 """
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from llama.distributed import available_memory
+from llama.distributed import available_memory, global_rank
 from llama.parallel_layers import ParallelLinear, replace_layers
 
 
@@ -30,26 +35,70 @@ def onednn_bf16_supported() -> bool:
     return check is not None and check()
 
 
+def fbgemm_fp16_supported() -> bool:
+    """Whether this torch build has fbgemm's float16-weight linear kernels (x86 builds do)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+        torch.ops.quantized, "linear_prepack_fp16"
+    )
+
+
+FP16_MAX = torch.finfo(torch.float16).max
+FP16_BLOCK_VALUES = 2**24  # packing one block at a time is 2-3x faster than packing a large head whole
+
+
+def pack_as_fp16(weight: torch.Tensor) -> Optional[List[torch.Tensor]]:
+    """fbgemm's packed float16 copy of a bfloat16 `weight`, in blocks of rows, or None if a value lies outside
+    float16's range (or is not finite), where the copy would not hold the weight.
+
+    Within that range float16 holds every bfloat16 value exactly, except those below 2**-17 in magnitude, which
+    it rounds to a multiple of 2**-24 (float16's subnormals): a change below 3e-8 per weight.
+    """
+    rows = max(1, FP16_BLOCK_VALUES // weight.shape[1])
+    packed = []
+    for block in weight.detach().split(rows):
+        block = block.float()
+        if not (block.amax() <= FP16_MAX and block.amin() >= -FP16_MAX):  # also false for NaN
+            return None
+        packed.append(torch.ops.quantized.linear_prepack_fp16(block, None))
+    return packed
+
+
+def fp16_linear(x: torch.Tensor, packed: List[torch.Tensor]) -> torch.Tensor:
+    """`x @ weight.T` on the packed float16 weight: float32 input and sums, the result rounded to `x.dtype`."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    y = [torch.ops.quantized.linear_dynamic_fp16(rows, block) for block in packed]
+    y = y[0] if len(y) == 1 else torch.cat(y, dim=-1)
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
 class CPULinear(ParallelLinear):
     """A fairscale `ColumnParallelLinear` or `RowParallelLinear` whose matmul runs on the fastest CPU kernel.
 
     On the AMD EPYC we measure on, `F.linear` reads a weight at about 60% of the memory bandwidth for one row
     of input (a decode step): float32 runs on MKL, and bfloat16 on oneDNN, which first reorders the weight
     into its blocked layout on every call. Here float32 runs on oneDNN, which reads the weight as loaded at
-    over 80% (and is 2x faster at batch 8), and a single bfloat16 row on PyTorch's own matrix-vector product,
-    which does too. With `pack_weights`, bfloat16 inputs of several rows (prompts, decode steps of several
-    sequences) run on a copy of the weight in oneDNN's layout, made at the first such input and again whenever
-    the weight has changed since: the same oneDNN kernel as `F.linear` (bit-identical results) without the
-    reorder on every call.
+    over 80% (and is 2x faster at batch 8), and a single bfloat16 row on PyTorch's own matrix-vector product.
+    A bfloat16 weight can also run on a packed copy, made when the weight is first used and again whenever it
+    has changed since (`packing`):
+    - "onednn": inputs of several rows (prompts, decode steps of several sequences) run on a copy in oneDNN's
+      blocked layout, the same kernel as `F.linear` (bit-identical results) without the reorder on every call.
+      It needs oneDNN's bfloat16 kernels (AVX-512 and later).
+    - "fp16": every input runs on fbgemm's packed float16 copy (`pack_as_fp16`), in float32 arithmetic. Where
+      oneDNN has no bfloat16 kernels (AVX2), PyTorch widens each bfloat16 weight in a slow loop: one row runs
+      at half the memory bandwidth, and several rows 5 to 8 times slower than on the float16 copy.
     The forward is fairscale's with that matmul in place of `F.linear` (`ParallelLinear`); the weight is the
     same parameter, so it can be edited or tied as usual.
     """
 
-    def __init__(self, layer: nn.Module, pack_weights: bool = False):
-        if pack_weights and not onednn_bf16_supported():
-            raise ValueError("pack_weights needs oneDNN's bfloat16 kernels, which this CPU lacks (no AVX-512)")
+    def __init__(self, layer: nn.Module, packing: Optional[str] = None):
+        if packing not in (None, "onednn", "fp16"):
+            raise ValueError(f"packing must be None, 'onednn' or 'fp16', not {packing!r}")
+        if packing == "onednn" and not onednn_bf16_supported():
+            raise ValueError("packing='onednn' needs oneDNN's bfloat16 kernels, which this CPU lacks (no AVX-512)")
+        if packing == "fp16" and not fbgemm_fp16_supported():
+            raise ValueError("packing='fp16' needs fbgemm's float16 kernels, which this torch build lacks")
         super().__init__(layer)
-        self.pack_weights = pack_weights
+        self.packing = packing
         self.packed = None  # (weight, its version when packed, the packed copy)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,50 +106,72 @@ class CPULinear(ParallelLinear):
             return F.linear(x, self.weight)
         if self.weight.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        if self.packing == "fp16" and (packed := self.packed_weight()) is not None:
+            return fp16_linear(x, packed)
         if x.numel() == x.shape[-1]:  # one row: PyTorch's own matrix-vector product, what F.linear runs without oneDNN
             return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
-        if self.pack_weights:
+        if self.packing == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), None, "none", [], "")
         return F.linear(x, self.weight)
 
-    def packed_weight(self) -> torch.Tensor:
-        """The weight in oneDNN's blocked layout, packed again if it was replaced or changed in place since.
+    def packed_weight(self):
+        """The weight's packed copy (None where `pack_as_fp16` cannot hold it), packed again if the weight was
+        replaced or changed in place since.
 
         A change is seen through the tensor's version counter, which in-place ops bump (under `torch.no_grad()`
         or `load_state_dict`); writes through `.data` do not bump it.
         """
         if self.packed is None or self.packed[0] is not self.weight or self.packed[1] != self.weight._version:
             self.packed = None  # free the old copy first
-            self.packed = (self.weight, self.weight._version, torch.ops.mkldnn._reorder_linear_weight(self.weight))
+            if self.packing == "fp16":
+                packed = pack_as_fp16(self.weight)
+            else:
+                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+            self.packed = (self.weight, self.weight._version, packed)
         return self.packed[2]
 
     def __getstate__(self):
-        # An opaque oneDNN tensor cannot be copied or saved; a copy of this layer packs its own on use.
+        # An opaque packed tensor cannot be copied or saved; a copy of this layer packs its own on use.
         return {**super().__getstate__(), "packed": None}
 
 
-def use_cpu_linear_layers(model: nn.Module, pack_weights: bool = False) -> None:
+def use_cpu_linear_layers(model: nn.Module, packing: Optional[str] = None) -> None:
     """Replace every fairscale linear layer in `model` with a `CPULinear`, in place."""
-    replace_layers(model, (ColumnParallelLinear, RowParallelLinear), lambda layer: CPULinear(layer, pack_weights))
+    replace_layers(model, (ColumnParallelLinear, RowParallelLinear), lambda layer: CPULinear(layer, packing))
+
+
+def make_fp16_copies(model: nn.Module) -> None:
+    """Make the float16 copies of `model`'s `CPULinear` layers now rather than at each one's first use, on as many
+    Python threads as torch uses: fbgemm packs a weight on one core."""
+    layers = [m for m in model.modules() if isinstance(m, CPULinear) and m.packing == "fp16"]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        list(pool.map(CPULinear.packed_weight, layers))
+    if global_rank() == 0:
+        print(f"Made float16 copies of the weights for this CPU's kernels in {time.perf_counter() - start:.2f} seconds")
 
 
 def speed_up_for_cpu(model: nn.Module) -> None:
     """Apply this module's speed-ups to a loaded `Transformer` (model-parallel layers still fairscale's), where it
     runs on the CPU in float32 or bfloat16 and this torch build supports them.
 
-    In bfloat16, inputs of several rows get packed weights (for 1B on an AVX-512 machine: decode steps of 8
-    sequences 1.5-1.9x faster, a prompt of 17 tokens 1.45x, of 256 tokens 2-3%) when the CPU has oneDNN's bfloat16
-    kernels, the model may see batches, and a second copy of its weights fits in half the memory the system has
-    available now.
+    In bfloat16, when a second copy of the weights fits in half the memory the system has available now:
+    - where the CPU has oneDNN's bfloat16 kernels and the model may see batches, inputs of several rows run on
+      oneDNN-packed weights, made at their first use (for 1B on an AVX-512 machine: decode steps of 8 sequences
+      1.5-1.9x faster, a prompt of 17 tokens 1.45x, of 256 tokens 2-3%);
+    - elsewhere, with fbgemm (x86), every input runs on float16 copies, made here (on the 2-core AVX2 machine
+      we measure on, for Llama 3.2 1B: about 8 s, then decode 1.3 to 3x and prompts 5 to 7x faster).
     """
     weight = model.tok_embeddings.weight
     if not onednn_supported(weight.device) or weight.dtype not in (torch.float32, torch.bfloat16):
         return
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    pack = (
-        weight.dtype == torch.bfloat16
-        and onednn_bf16_supported()
-        and model.params.max_batch_size > 1
-        and 2 * weight_bytes <= available_memory()
-    )
-    use_cpu_linear_layers(model, pack_weights=pack)
+    packing = None
+    if weight.dtype == torch.bfloat16 and 2 * weight_bytes <= available_memory():
+        if onednn_bf16_supported():
+            packing = "onednn" if model.params.max_batch_size > 1 else None
+        elif fbgemm_fp16_supported():
+            packing = "fp16"
+    use_cpu_linear_layers(model, packing)
+    if packing == "fp16":
+        make_fp16_copies(model)

@@ -1,5 +1,6 @@
-"""The CPU speed-ups keep the reference math: llama/cpu.py's linear layers (packed oneDNN weights, matrix-vector
-kernels), fused attention, and `llama.parallel_layers` against fairscale's layers, on tiny random weights.
+"""The CPU speed-ups keep the reference math: llama/cpu.py's linear layers (packed oneDNN weights, float16 copies of
+bfloat16 weights, matrix-vector kernels), fused attention, and `llama.parallel_layers` against fairscale's layers,
+on tiny random weights.
 
 The reference is the same checkpoint run as Meta's code runs it: `F.linear` and attention step by step
 (`helpers.with_reference_attention`).
@@ -13,7 +14,7 @@ import torch.nn as nn
 from helpers import ATOL, GQA_PARAMS, causal_mask, incremental_logits, load_tiny, with_reference_attention
 
 import llama.cpu
-from llama.cpu import CPULinear, onednn_bf16_supported
+from llama.cpu import CPULinear, fbgemm_fp16_supported, fp16_linear, onednn_bf16_supported, pack_as_fp16
 from llama.demo import random_weights
 from llama.model import Transformer
 from llama.parallel_layers import ParallelEmbedding, ParallelLinear, unpack_layers, use_parallel_layers
@@ -66,7 +67,8 @@ def greedy_tokens(model: Transformer, prompt: torch.Tensor, steps: int) -> torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_fast_path_keeps_greedy_tokens_and_torch_settings(process_group, tmp_path, dtype):
+def test_fast_path_keeps_greedy_tokens_and_torch_settings(process_group, tmp_path, dtype, monkeypatch):
+    monkeypatch.setattr(llama.cpu, "fbgemm_fp16_supported", lambda: False)  # float16 copies: tested below
     weights = random_weights(GQA_PARAMS, seed=12)
     fast = load_tiny(tmp_path / "fast", weights, dtype)
     reference = reference_model(tmp_path / "reference", weights, dtype)
@@ -157,14 +159,110 @@ def test_no_packed_copies_without_memory_for_them(process_group, tmp_path, monke
     assert all(m.packed is None for m in model.modules() if isinstance(m, CPULinear))
 
 
-def test_no_packed_weights_where_onednn_has_no_bfloat16_kernels(process_group, tmp_path, monkeypatch):
-    """Packing bfloat16 weights needs oneDNN's bfloat16 kernels (AVX-512 and later): without them a bfloat16 model
-    runs batches on F.linear, and asking for packed layers is a clear error, not a crash at the first batch."""
+def test_no_packed_weights_without_their_kernels(process_group, tmp_path, monkeypatch):
+    """Without oneDNN's bfloat16 kernels (AVX-512 and later) or fbgemm's float16 ones (x86), a bfloat16 model runs
+    on the bfloat16 weights as loaded, and asking for either packing is a clear error, not a crash at the first
+    batch."""
     monkeypatch.setattr(llama.cpu, "onednn_bf16_supported", lambda: False)
+    monkeypatch.setattr(llama.cpu, "fbgemm_fp16_supported", lambda: False)
     model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=15), torch.bfloat16)
     layers = [m for m in model.modules() if isinstance(m, CPULinear)]
-    assert layers and not any(layer.pack_weights for layer in layers)
+    assert layers and not any(layer.packing for layer in layers)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(7))
     assert incremental_logits(model, tokens, [6, 1, 1, 1, 1]).isfinite().all()
+    assert all(layer.packed is None for layer in layers)
     with pytest.raises(ValueError, match="bfloat16 kernels, which this CPU lacks"):
-        CPULinear(model.layers[0].attention.wq.plain, pack_weights=True)
+        CPULinear(model.layers[0].attention.wq.plain, packing="onednn")
+    with pytest.raises(ValueError, match="float16 kernels, which this torch build lacks"):
+        CPULinear(model.layers[0].attention.wq.plain, packing="fp16")
+
+
+needs_fbgemm = pytest.mark.skipif(not fbgemm_fp16_supported(), reason="this torch build has no fbgemm (not x86)")
+
+
+@needs_fbgemm
+def test_float16_copy_holds_each_bfloat16_weight(monkeypatch):
+    """The float16 copy gives back every bfloat16 weight exactly, but for the smallest (below 2**-17), which move by
+    at most half of 2**-24; blocks of rows join in order. A weight float16 cannot hold is not copied."""
+    monkeypatch.setattr(llama.cpu, "FP16_BLOCK_VALUES", 7 * 16)  # 7 rows a block: blocks of 7, 7 and 6
+    weight = torch.randn(20, 16, generator=torch.Generator().manual_seed(4))
+    weight[0, :6] = torch.tensor([6e4, -6e4, 2**-14, 3 * 2**-17, 1e-7, -5e-9])
+    weight = weight.bfloat16()
+    packed = pack_as_fp16(weight)
+    assert len(packed) == 3
+    copy_ = fp16_linear(torch.eye(16), packed).T  # x @ weight.T with x = I gives weight.T
+    exact = weight.float().abs() >= 2**-17
+    assert torch.equal(copy_[exact], weight.float()[exact])
+    assert (copy_ - weight.float()).abs().max() <= 2**-25
+    assert copy_[0, 4] != weight.float()[0, 4]  # 1e-7 does round
+    for value in (7e4, float("nan"), float("inf")):
+        weight[3, 3] = value
+        assert pack_as_fp16(weight) is None
+
+
+@needs_fbgemm
+def test_bfloat16_on_float16_copies_keeps_the_reference_results(process_group, tmp_path, monkeypatch):
+    """Where oneDNN has no bfloat16 kernels, a bfloat16 model runs every input on float16 copies of its weights,
+    made at load. Its logits are as close to float32's as Meta's bfloat16 math is, they pick float32's next token
+    at least as often, and greedy decoding gives Meta's tokens. The weights themselves stay as loaded."""
+    monkeypatch.setattr(llama.cpu, "onednn_bf16_supported", lambda: False)
+    weights = random_weights(GQA_PARAMS, seed=12)
+    fast = load_tiny(tmp_path / "fast", weights, torch.bfloat16)
+    layers = [m for m in fast.modules() if isinstance(m, CPULinear)]
+    assert layers and all(m.packing == "fp16" and m.packed is not None for m in layers)  # before any input
+    reference = reference_model(tmp_path / "reference", weights, torch.bfloat16)
+    assert all(torch.equal(fast.state_dict()[k], v) for k, v in reference.state_dict().items())
+
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(5))
+    exact = load_tiny(tmp_path / "float32", weights, torch.float32)(tokens, 0)
+    expected = reference(tokens, 0)
+    for logits in (
+        incremental_logits(fast, tokens, [24] + [1] * 8),
+        incremental_logits(fast, tokens[:1], [24] + [1] * 8),
+    ):
+        rows = len(logits)
+        assert 0 < (logits - exact[:rows]).abs().max() < 1.5 * (expected[:rows] - exact[:rows]).abs().max()
+        agree = (logits.argmax(-1) == exact[:rows].argmax(-1)).sum()
+        assert agree >= (expected[:rows].argmax(-1) == exact[:rows].argmax(-1)).sum()
+
+    prompt = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(3))
+    for batch in (prompt, prompt[:1]):
+        assert torch.equal(greedy_tokens(fast, batch, 20), greedy_tokens(reference, batch, 20))
+
+
+@needs_fbgemm
+def test_float16_copies_follow_weight_edits(process_group, tmp_path, monkeypatch):
+    """A weight edited in place or replaced is copied again at its next use: the logits are those of a model
+    loaded with the new weights. A weight float16 cannot hold runs on the bfloat16 kernels."""
+    monkeypatch.setattr(llama.cpu, "onednn_bf16_supported", lambda: False)
+    weights = random_weights(GQA_PARAMS, seed=19)
+    model = load_tiny(tmp_path / "edited", weights, torch.bfloat16)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(6))
+
+    def steps(model):
+        return incremental_logits(model, tokens, [6, 1, 1, 1, 1])
+
+    before = steps(model)
+    with torch.no_grad():
+        model.layers[1].feed_forward.w2.weight.mul_(-1)
+    weights["layers.1.feed_forward.w2.weight"] = -weights["layers.1.feed_forward.w2.weight"]
+    after = steps(model)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, steps(load_tiny(tmp_path / "loaded", weights, torch.bfloat16)))
+
+    # A replaced weight, made to have the old one's version count: only its identity tells it apart.
+    output = torch.randn_like(model.output.weight)
+    while output._version < model.output.weight._version:
+        output.add_(0)
+    model.output.weight = nn.Parameter(output)
+    weights["output.weight"] = output
+    assert torch.equal(steps(model), steps(load_tiny(tmp_path / "replaced", weights, torch.bfloat16)))
+    # The copies are dropped from copies of the model (they cannot be copied), and remade there.
+    assert torch.equal(steps(copy.deepcopy(model)), steps(model))
+
+    wq = model.layers[0].attention.wq
+    with torch.no_grad():
+        wq.weight[0, 0] = 1e5  # beyond float16's 65504
+    x = torch.randn(3, GQA_PARAMS["dim"]).bfloat16()
+    assert torch.equal(wq(x), torch.nn.functional.linear(x, wq.weight))
+    assert wq.packed[2] is None
