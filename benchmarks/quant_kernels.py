@@ -4,11 +4,13 @@
     python benchmarks/quant_kernels.py --shapes d512 --steps 50
 
 For each shape it makes every weight a decode step multiplies by (q, k, v, o and the three feed-forward weights of
-each layer, then the output head), random, in three forms: bfloat16 on the product we run unquantized
-(`llama.cpu.CPULinear`, a matrix-vector product for one row), and the int8 and int4 layers `llama.quantize` makes.
-It then times one bfloat16 row through all of them in a step's order, as a step reads them (from memory, not
-from cache), and the head alone. The ratio of the step times is the most quantized weights can speed up a
-decode step of that shape, however small everything else in the step becomes. Figures: median of --steps steps.
+each layer, then the output head), random, in four forms: bfloat16 on PyTorch's matrix-vector product
+(`llama.cpu.CPULinear` without packing), bfloat16 on a float16 copy (`CPULinear(packing="fp16")`, what a
+bfloat16 model runs on where oneDNN has no bfloat16 kernels; x86 only), and the int8 and int4 layers
+`llama.quantize` makes. It then times one bfloat16 row through all of them in a step's order, as a step reads
+them (from memory, not from cache), and the head alone. The ratio of the step times is the most a form can speed
+up a decode step of that shape over the plain bfloat16 product, however small everything else in the step
+becomes. Figures: median of --steps steps.
 """
 
 import argparse
@@ -24,12 +26,12 @@ from fairscale.nn.model_parallel.layers import ColumnParallelLinear
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GRID, SHAPES  # noqa: E402
 
-from llama.cpu import CPULinear  # noqa: E402
+from llama.cpu import CPULinear, fbgemm_fp16_supported  # noqa: E402
 from llama.distributed import init_model_parallel  # noqa: E402
 from llama.model import ModelArgs  # noqa: E402
 from llama.quantize import quantize_layer  # noqa: E402
 
-SCHEMES = ("bfloat16", "int8", "int4")
+FORMS = ("bfloat16", "float16 copy", "int8", "int4") if fbgemm_fp16_supported() else ("bfloat16", "int8", "int4")
 
 
 def step_weights(shape: str) -> list:
@@ -41,16 +43,20 @@ def step_weights(shape: str) -> list:
     return layer * args.n_layers + [(args.vocab_size, args.dim)]
 
 
-def make_layer(scheme: str, weight: torch.Tensor):
+def make_layer(form: str, weight: torch.Tensor):
     out_features, in_features = weight.shape
     layer = ColumnParallelLinear(in_features, out_features, bias=False, gather_output=False, init_method=id)
     layer.weight = torch.nn.Parameter(weight, requires_grad=False)
-    return CPULinear(layer) if scheme == "bfloat16" else quantize_layer(layer, scheme)
+    if form == "bfloat16":
+        return CPULinear(layer)
+    if form == "float16 copy":
+        return CPULinear(layer, packing="fp16")  # the copy is made at the first, untimed, call
+    return quantize_layer(layer, form)
 
 
-def time_products(scheme: str, weights: list, steps: int):
-    """(ms for one row through every weight in turn, ms for the last weight alone), in `scheme`'s layers."""
-    layers = [make_layer(scheme, weight) for weight in weights]
+def time_products(form: str, weights: list, steps: int):
+    """(ms for one row through every weight in turn, ms for the last weight alone), in `form`'s layers."""
+    layers = [make_layer(form, weight) for weight in weights]
     inputs = [torch.randn(1, 1, weight.shape[1], dtype=torch.bfloat16) for weight in weights]
     step = median_ms(lambda: [layer.matmul(x) for layer, x in zip(layers, inputs)], steps)
     return step, median_ms(lambda: layers[-1].matmul(inputs[-1]), steps)
@@ -75,17 +81,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     init_model_parallel(torch.device("cpu"), None, timedelta(seconds=60))
     print(f"{torch.get_num_threads()} threads; milliseconds, median of {args.steps} steps, one bfloat16 row")
-    print("shape  | products of a step: " + " / ".join(SCHEMES) + " | of which the head | most a step can gain")
+    print("shape  | products of a step: " + " / ".join(FORMS) + " | of which the head | most a step can gain")
     for shape in args.shapes:
         generator = torch.Generator().manual_seed(0)
         weights = [torch.randn(size, generator=generator).mul_(0.02).bfloat16() for size in step_weights(shape)]
         step, head = {}, {}
-        for scheme in SCHEMES:
-            step[scheme], head[scheme] = time_products(scheme, weights, args.steps)
-        gains = " / ".join(f"{step['bfloat16'] / step[s]:.2f}x" for s in SCHEMES[1:])
+        for form in FORMS:
+            step[form], head[form] = time_products(form, weights, args.steps)
+        gains = " / ".join(f"{step['bfloat16'] / step[s]:.2f}x" for s in FORMS[1:])
         print(
-            f"{shape:<6} | {' / '.join(f'{step[s]:.2f}' for s in SCHEMES)} | "
-            f"{' / '.join(f'{head[s]:.2f}' for s in SCHEMES)} | {gains}",
+            f"{shape:<6} | {' / '.join(f'{step[s]:.2f}' for s in FORMS)} | "
+            f"{' / '.join(f'{head[s]:.2f}' for s in FORMS)} | {gains}",
             flush=True,
         )
 
