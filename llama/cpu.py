@@ -43,7 +43,7 @@ def fbgemm_fp16_supported() -> bool:
 
 
 FP16_MAX = torch.finfo(torch.float16).max
-FP16_BLOCK_VALUES = 2**24  # packing one block at a time is 2-3x faster than packing a large head whole
+FP16_BLOCK_VALUES = 2**24  # fbgemm packs blocks of this size 3-4x faster than a 128256-row head whole
 
 
 def pack_as_fp16(weight: torch.Tensor) -> Optional[List[torch.Tensor]]:
