@@ -145,7 +145,7 @@ def make_fp16_copies(model: nn.Module) -> None:
     Python threads as torch uses: fbgemm packs a weight on one core."""
     layers = [m for m in model.modules() if isinstance(m, CPULinear) and m.packing == "fp16"]
     start = time.perf_counter()
-    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
         list(pool.map(CPULinear.packed_weight, layers))
     if global_rank() == 0:
         print(f"Made float16 copies of the weights for this CPU's kernels in {time.perf_counter() - start:.2f} seconds")

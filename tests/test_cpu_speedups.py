@@ -57,6 +57,15 @@ def test_fast_path_gives_the_reference_logits_in_float32(process_group, tmp_path
     assert (one_row - expected[:1]).abs().max() < ATOL
 
 
+def replacement_of(weight: torch.Tensor) -> torch.Tensor:
+    """A random tensor to replace `weight` with, made to have its version count: only its identity tells it apart,
+    so a packed copy made from `weight` must not be taken for its own."""
+    replacement = torch.randn_like(weight)
+    while replacement._version < weight._version:
+        replacement.add_(0)
+    return replacement
+
+
 def greedy_tokens(model: Transformer, prompt: torch.Tensor, steps: int) -> torch.Tensor:
     tokens = prompt
     logits = model(tokens, 0)[:, -1]
@@ -122,10 +131,7 @@ def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_gr
     assert not torch.equal(after, before)
     assert torch.equal(after, steps(plain))
 
-    # A replaced weight, made to have the old one's version count: only its identity tells it apart.
-    output = torch.randn_like(plain.output.weight)
-    while output._version < packed.output.weight._version:
-        output.add_(0)
+    output = replacement_of(packed.output.weight)
     packed.output.weight, plain.output.weight = nn.Parameter(output), nn.Parameter(output.clone())
     assert torch.equal(steps(packed), steps(plain))
 
@@ -250,10 +256,7 @@ def test_float16_copies_follow_weight_edits(process_group, tmp_path, monkeypatch
     assert not torch.equal(after, before)
     assert torch.equal(after, steps(load_tiny(tmp_path / "loaded", weights, torch.bfloat16)))
 
-    # A replaced weight, made to have the old one's version count: only its identity tells it apart.
-    output = torch.randn_like(model.output.weight)
-    while output._version < model.output.weight._version:
-        output.add_(0)
+    output = replacement_of(model.output.weight)
     model.output.weight = nn.Parameter(output)
     weights["output.weight"] = output
     assert torch.equal(steps(model), steps(load_tiny(tmp_path / "replaced", weights, torch.bfloat16)))
