@@ -215,7 +215,8 @@ def test_bfloat16_on_float16_copies_keeps_the_reference_results(process_group, t
     weights = random_weights(GQA_PARAMS, seed=12)
     fast = load_tiny(tmp_path / "fast", weights, torch.bfloat16)
     layers = [m for m in fast.modules() if isinstance(m, CPULinear)]
-    assert layers and all(m.packing == "fp16" and m.packed is not None for m in layers)  # before any input
+    assert layers and all(m.packing == "fp16" for m in layers)
+    assert all((m.fused or m).packed is not None for m in layers)  # made at load, before any input
     reference = reference_model(tmp_path / "reference", weights, torch.bfloat16)
     assert all(torch.equal(fast.state_dict()[k], v) for k, v in reference.state_dict().items())
 
@@ -263,9 +264,49 @@ def test_float16_copies_follow_weight_edits(process_group, tmp_path, monkeypatch
     # The copies are dropped from copies of the model (they cannot be copied), and remade there.
     assert torch.equal(steps(copy.deepcopy(model)), steps(model))
 
-    wq = model.layers[0].attention.wq
+    # Layers that share one copy (wq, wk, wv; w1, w3) follow an edit or replacement of any of them.
     with torch.no_grad():
-        wq.weight[0, 0] = 1e5  # beyond float16's 65504
+        model.layers[0].attention.wk.weight.mul_(0.5)
+    weights["layers.0.attention.wk.weight"] = weights["layers.0.attention.wk.weight"] * 0.5
+    w3 = replacement_of(model.layers[1].feed_forward.w3.weight)
+    model.layers[1].feed_forward.w3.weight = nn.Parameter(w3)
+    weights["layers.1.feed_forward.w3.weight"] = w3
+    assert torch.equal(steps(model), steps(load_tiny(tmp_path / "group edited", weights, torch.bfloat16)))
+
+    attention = model.layers[0].attention
+    with torch.no_grad():
+        attention.wq.weight[0, 0] = 1e5  # beyond float16's 65504: the three layers sharing its copy fall back
     x = torch.randn(3, GQA_PARAMS["dim"]).bfloat16()
-    assert torch.equal(wq(x), torch.nn.functional.linear(x, wq.weight))
-    assert wq.packed[2] is None
+    for layer in (attention.wq, attention.wk, attention.wv):
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
+    assert attention.wq.fused.packed[1] is None
+
+
+@needs_fbgemm
+def test_layers_sharing_a_float16_copy_each_give_their_own_product(process_group, tmp_path, monkeypatch):
+    """wq, wk and wv (and w1, w3) run as one product on one float16 copy of their stacked weights, each taking its
+    share: whatever the order of the calls and whichever inputs they get, each layer gives the product of its
+    own weight with its own input, that of a float16 copy of its weight alone."""
+    monkeypatch.setattr(llama.cpu, "onednn_bf16_supported", lambda: False)
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=21), torch.bfloat16)
+    attention, feed_forward = model.layers[0].attention, model.layers[1].feed_forward
+    qkv = (attention.wq, attention.wk, attention.wv)
+    assert attention.wq.fused is attention.wk.fused is attention.wv.fused is not None
+    assert feed_forward.w1.fused is feed_forward.w3.fused is not feed_forward.w2.fused
+    assert feed_forward.w2.fused is None and model.output.fused is None
+
+    def alone(layer, x):
+        return fp16_linear(x, pack_as_fp16(layer.weight))
+
+    generator = torch.Generator().manual_seed(9)
+    x, y = (torch.randn(2, 5, GQA_PARAMS["dim"], generator=generator).bfloat16() for _ in range(2))
+    with torch.inference_mode():
+        assert all(torch.equal(layer(x), alone(layer, x)) for layer in qkv)  # the model's order
+        assert torch.equal(attention.wv(x), alone(attention.wv, x))  # out of order, and one alone
+        assert torch.equal(attention.wq(x), alone(attention.wq, x))
+        assert torch.equal(attention.wk(y), alone(attention.wk, y))  # another input before all took their share
+        assert torch.equal(attention.wv(x), alone(attention.wv, x))
+        assert torch.equal(attention.wq(x), alone(attention.wq, x))  # a layer asking twice for the same input
+        assert torch.equal(attention.wq(x), alone(attention.wq, x))
+        for layer in (feed_forward.w3, feed_forward.w1):
+            assert torch.equal(layer(y[:, :1]), alone(layer, y[:, :1]))
