@@ -150,9 +150,9 @@ class FusedProduct:
     at once, and the others take their share when called with that same input object (each output column is
     summed as in a product of its layer alone: the same bits, tested). Fewer, larger products: each fbgemm call
     costs some 20 to 40 us beyond reading its weight on 2 cores, and a larger weight is read nearer the memory's
-    speed. Decode steps of 8 sequences run 8 to 11% faster, prompts 3 to 8%, one sequence about 1% (d256 and
-    d1024, alternating runs in one process). The layers keep their own weights and state-dict keys; the copy is
-    made again at its next use when any of them was replaced or edited in place.
+    speed. Decode steps of 8 sequences run 5 to 11% faster, one sequence 1 to 4% (d256, d1024 and 1B: see
+    docs/speed.md). The layers keep their own weights and state-dict keys; the copy is made again at its next
+    use when any of them was replaced or edited in place.
     """
 
     def __init__(self, layers: List["CPULinear"]):
@@ -190,13 +190,18 @@ class FusedProduct:
 
 def fuse_fp16_products(model: nn.Module) -> None:
     """Give each attention's wq, wk and wv, and each feed-forward's w1 and w3, one shared float16 copy
-    (`FusedProduct`), where they run on float16 copies."""
+    (`FusedProduct`), where they run on float16 copies and their stacked weights fit in one packed block: a larger
+    stack is packed in blocks of rows anyway, whose outputs would have to be joined (for Llama 3.2 1B's w1 and w3,
+    prompts ran about 4% slower)."""
     for block in model.layers:
         for group in (
             [block.attention.wq, block.attention.wk, block.attention.wv],
             [block.feed_forward.w1, block.feed_forward.w3],
         ):
-            if all(isinstance(layer, CPULinear) and layer.packing == "fp16" for layer in group):
+            if (
+                all(isinstance(layer, CPULinear) and layer.packing == "fp16" for layer in group)
+                and sum(layer.weight.numel() for layer in group) <= FP16_BLOCK_VALUES
+            ):
                 fused = FusedProduct(group)
                 for layer in group:
                     layer.fused = fused
