@@ -150,9 +150,9 @@ class FusedProduct:
     at once, and the others take their share when called with that same input object (each output column is
     summed as in a product of its layer alone: the same bits, tested). Fewer, larger products: each fbgemm call
     costs some 20 to 40 us beyond reading its weight on 2 cores, and a larger weight is read nearer the memory's
-    speed. Decode steps of 8 sequences run 5 to 11% faster, one sequence 1 to 4% (d256, d1024 and 1B: see
-    docs/speed.md). The layers keep their own weights and state-dict keys; the copy is made again at its next
-    use when any of them was replaced or edited in place.
+    speed: a few percent, up to some 10% for batches (benchmarks/fused_products.py). The layers keep their own
+    weights and state-dict keys; the copy is made again at its next use when any of them was replaced or edited
+    in place.
     """
 
     def __init__(self, layers: List["CPULinear"]):
