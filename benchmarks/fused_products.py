@@ -16,13 +16,12 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import DECODE_PROMPT, default_tokenizer, meta_checkpoint  # noqa: E402
+from bench import DECODE_PROMPT, default_tokenizer, meta_checkpoint, timed  # noqa: E402
 
 from llama import Llama  # noqa: E402
 from llama.cpu import CPULinear  # noqa: E402
@@ -33,17 +32,13 @@ def measure(generator: Llama, steps: int) -> dict:
 
     def decode(bsz: int, n: int) -> float:
         def generate(tokens):
-            start = time.perf_counter()
-            generator.generate([DECODE_PROMPT] * bsz, max_gen_len=tokens, temperature=0)
-            return time.perf_counter() - start
+            return timed(lambda: generator.generate([DECODE_PROMPT] * bsz, max_gen_len=tokens, temperature=0), "cpu", 1)
 
         return bsz * n / (generate(n + 1) - generate(1))
 
     def prefill(n: int) -> float:
         prompt = torch.randint(0, 128000, (1, n))
-        start = time.perf_counter()
-        generator.model.forward(prompt, 0, last_logits_only=True)
-        return n / (time.perf_counter() - start)
+        return n / timed(lambda: generator.model.forward(prompt, 0, last_logits_only=True), "cpu", 1)
 
     return {"decode b1": decode(1, steps), "decode b8": decode(8, steps // 2), "prefill 64": prefill(64),
             "prefill 512": prefill(512)}  # fmt: skip

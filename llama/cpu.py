@@ -71,6 +71,20 @@ def fp16_linear(x: torch.Tensor, packed: List[torch.Tensor]) -> torch.Tensor:
     return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
+def with_versions(weights: List[torch.Tensor]) -> list:
+    """Each weight with its version now, to tell later whether a copy made from them still holds them."""
+    return [(weight, weight._version) for weight in weights]
+
+
+def unchanged(recorded: list, weights: List[torch.Tensor]) -> bool:
+    """Whether `weights` are the tensors `with_versions` recorded, none replaced or changed in place since.
+
+    A change is seen through the tensor's version counter, which in-place ops bump (under `torch.no_grad()` or
+    `load_state_dict`); writes through `.data` do not bump it.
+    """
+    return all(weight is old and weight._version == version for weight, (old, version) in zip(weights, recorded))
+
+
 class CPULinear(ParallelLinear):
     """A fairscale `ColumnParallelLinear` or `RowParallelLinear` whose matmul runs on the fastest CPU kernel.
 
@@ -99,7 +113,7 @@ class CPULinear(ParallelLinear):
             raise ValueError("packing='fp16' needs fbgemm's float16 kernels, which this torch build lacks")
         super().__init__(layer)
         self.packing = packing
-        self.packed = None  # (weight, its version when packed, the packed copy)
+        self.packed = None  # (the weight and its version when packed, the packed copy)
         self.fused: Optional[FusedProduct] = None  # with packing "fp16": a copy shared with layers of the same input
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,19 +139,15 @@ class CPULinear(ParallelLinear):
 
     def packed_weight(self):
         """The weight's packed copy (None where `pack_as_fp16` cannot hold it), packed again if the weight was
-        replaced or changed in place since.
-
-        A change is seen through the tensor's version counter, which in-place ops bump (under `torch.no_grad()`
-        or `load_state_dict`); writes through `.data` do not bump it.
-        """
-        if self.packed is None or self.packed[0] is not self.weight or self.packed[1] != self.weight._version:
+        replaced or changed in place since (`unchanged`)."""
+        if self.packed is None or not unchanged(self.packed[0], [self.weight]):
             self.packed = None  # free the old copy first
             if self.packing == "fp16":
                 packed = pack_as_fp16(self.weight)
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
-            self.packed = (self.weight, self.weight._version, packed)
-        return self.packed[2]
+            self.packed = (with_versions([self.weight]), packed)
+        return self.packed[1]
 
     def __getstate__(self):
         # An opaque packed tensor cannot be copied or saved; a copy of this layer packs its own on use.
@@ -161,13 +171,12 @@ class FusedProduct:
         self.pending = None  # (an input, the outputs for it that layers have not taken yet)
 
     def packed_weight(self) -> Optional[List[torch.Tensor]]:
-        """The stacked weights' float16 copy (None where float16 cannot hold one of them)."""
-        weights = [(layer.weight, layer.weight._version) for layer in self.layers]
-        if self.packed is None or any(
-            w is not old or version != old_version for (w, version), (old, old_version) in zip(weights, self.packed[0])
-        ):
+        """The stacked weights' float16 copy (None where float16 cannot hold one of them), made again if one of
+        them was replaced or changed in place since (`unchanged`)."""
+        weights = [layer.weight for layer in self.layers]
+        if self.packed is None or not unchanged(self.packed[0], weights):
             self.packed = None  # free the old copy first
-            self.packed = (weights, pack_as_fp16(torch.cat([w for w, _ in weights])))
+            self.packed = (with_versions(weights), pack_as_fp16(torch.cat(weights)))
         return self.packed[1]
 
     def output(self, layer: "CPULinear", x: torch.Tensor) -> Optional[torch.Tensor]:
