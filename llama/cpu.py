@@ -42,6 +42,9 @@ def fbgemm_fp16_supported() -> bool:
     )
 
 
+# From this many rows (a long prompt), float32 runs on `F.linear` (MKL's GEMM), faster there than oneDNN on the
+# weight as loaded (prompts of 512 tokens 1.05x to 1.12x: benchmarks/on_off.py mkl-prompts); about even at 128.
+MKL_MIN_ROWS = 128
 FP16_MAX = torch.finfo(torch.float16).max
 FP16_BLOCK_VALUES = 2**24  # fbgemm packs blocks of this size 3-4x faster than a 128256-row head whole
 
@@ -91,7 +94,8 @@ class CPULinear(ParallelLinear):
     On the AMD EPYC we measure on, `F.linear` reads a weight at about 60% of the memory bandwidth for one row
     of input (a decode step): float32 runs on MKL, and bfloat16 on oneDNN, which first reorders the weight
     into its blocked layout on every call. Here float32 runs on oneDNN, which reads the weight as loaded at
-    over 80% (and is 2x faster at batch 8), and a single bfloat16 row on PyTorch's own matrix-vector product.
+    over 80% (and is 2x faster at batch 8) but runs long prompts slower than MKL (`MKL_MIN_ROWS`), and a single
+    bfloat16 row on PyTorch's own matrix-vector product.
     A bfloat16 weight can also run on a packed copy, made when the weight is first used and again whenever it
     has changed since (`packing`):
     - "onednn": inputs of several rows (prompts, decode steps of several sequences) run on a copy in oneDNN's
@@ -120,6 +124,8 @@ class CPULinear(ParallelLinear):
         if torch.compiler.is_compiling():  # torch.compile picks its own kernels
             return F.linear(x, self.weight)
         if self.weight.dtype == torch.float32:
+            if x.numel() >= MKL_MIN_ROWS * x.shape[-1]:
+                return F.linear(x, self.weight)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         if self.packing == "fp16" and (y := self.fp16_product(x)) is not None:
             return y
@@ -160,7 +166,7 @@ class FusedProduct:
     at once, and the others take their share when called with that same input object (each output column is
     summed as in a product of its layer alone: the same bits, tested). Fewer, larger products: each fbgemm call
     costs some 20 to 40 us beyond reading its weight on 2 cores, and a larger weight is read nearer the memory's
-    speed: a few percent, up to some 10% for batches (benchmarks/fused_products.py). The layers keep their own
+    speed: a few percent, up to some 10% for batches (`benchmarks/on_off.py fused`). The layers keep their own
     weights and state-dict keys; the copy is made again at its next use when any of them was replaced or edited
     in place.
     """

@@ -11,6 +11,8 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from fairscale.nn.model_parallel.layers import ColumnParallelLinear
 from helpers import ATOL, GQA_PARAMS, causal_mask, incremental_logits, load_tiny, with_reference_attention
 
 import llama.cpu
@@ -105,6 +107,23 @@ def test_prompt_attended_causally_equals_the_mask_tensor_bit_for_bit(process_gro
             h = layer(h, 0, model.freqs_cis[: tokens.shape[1]], mask)
         masked = model.output(model.norm(h)).float()
     assert torch.equal(causal, masked)
+
+
+def test_long_float32_inputs_run_on_f_linear_bit_for_bit(process_group):
+    """From `MKL_MIN_ROWS` rows on (a long prompt), a float32 layer gives what `F.linear`, the layer Meta's code
+    runs, gives, bit for bit; fewer rows run on oneDNN, whose sums here round differently."""
+    generator = torch.Generator().manual_seed(5)
+    layer = CPULinear(ColumnParallelLinear(384, 96, bias=False, gather_output=False, init_method=lambda w: w))
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, 384, generator=generator))
+    rows = llama.cpu.MKL_MIN_ROWS
+    x = torch.randn(1, rows + 3, 384, generator=generator)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight))
+        assert torch.equal(layer(x[:, :rows]), F.linear(x[:, :rows], layer.weight))
+        short = x[:, : rows - 1]
+        assert not torch.equal(layer(short), F.linear(short, layer.weight))  # this test would see oneDNN's sums
+        torch.testing.assert_close(layer(short), F.linear(short, layer.weight), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.skipif(not onednn_bf16_supported(), reason="oneDNN has no bfloat16 kernels for this CPU (no AVX-512)")

@@ -1,0 +1,110 @@
+"""What one CPU speed-up gains, measured by switching it off and on in one process, on the same model, run after
+run.
+
+    python benchmarks/on_off.py fused                          # d256 and d1024, 6 pairs of runs
+    python benchmarks/on_off.py fused --shapes 1b --pairs 4
+    python benchmarks/on_off.py mkl-prompts --shapes d1024 1b
+
+The speed-ups:
+- fused: `llama.cpu.FusedProduct`, wq, wk, wv and w1, w3 each run as one product on one shared float16 copy
+  (bfloat16; only where bfloat16 runs on float16 copies: x86 CPUs without oneDNN's bfloat16 kernels). Switched
+  off, each layer makes its own copy at its first use.
+- mkl-prompts: float32 inputs of `llama.cpu.MKL_MIN_ROWS` rows or more on `F.linear` (MKL) rather than oneDNN.
+  Only prompts of 512 tokens have that many rows here: the other figures show how much the rest moves.
+
+A shared machine's speed drifts from minute to minute by more than these gains, so two separate benchmark runs
+cannot show it; here each pair runs both ways within seconds of each other (in alternating order), and the
+median of the pairs' ratios is printed with their range. Measured: decode tokens/s at batch 1 and 8 (greedy,
+prefill time subtracted, as bench.py) and prefill tokens/s for prompts of 64 and 512 tokens.
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import DECODE_PROMPT, default_tokenizer, meta_checkpoint, timed  # noqa: E402
+
+import llama.cpu  # noqa: E402
+from llama import Llama  # noqa: E402
+from llama.cpu import CPULinear  # noqa: E402
+
+
+def measure(generator: Llama, steps: int) -> dict:
+    """tokens/s of each figure, once."""
+
+    def decode(bsz: int, n: int) -> float:
+        def generate(tokens):
+            return timed(lambda: generator.generate([DECODE_PROMPT] * bsz, max_gen_len=tokens, temperature=0), "cpu", 1)
+
+        return bsz * n / (generate(n + 1) - generate(1))
+
+    def prefill(n: int) -> float:
+        prompt = torch.randint(0, 128000, (1, n))
+        return n / timed(lambda: generator.model.forward(prompt, 0, last_logits_only=True), "cpu", 1)
+
+    return {"decode b1": decode(1, steps), "decode b8": decode(8, steps // 2), "prefill 64": prefill(64),
+            "prefill 512": prefill(512)}  # fmt: skip
+
+
+def fused_switch(generator: Llama):
+    layers = [m for m in generator.model.modules() if isinstance(m, CPULinear)]
+    groups = {layer: layer.fused for layer in layers}
+    if not any(groups.values()):
+        sys.exit("No fused products here: bfloat16 runs on float16 copies only on x86 CPUs without oneDNN's "
+                 "bfloat16 kernels (AVX2)")  # fmt: skip
+
+    def switch(on: bool) -> None:
+        for layer in layers:
+            layer.fused = groups[layer] if on else None
+
+    return switch
+
+
+def mkl_prompts_switch(generator: Llama):
+    rows = llama.cpu.MKL_MIN_ROWS
+
+    def switch(on: bool) -> None:
+        llama.cpu.MKL_MIN_ROWS = rows if on else sys.maxsize
+
+    return switch
+
+
+SPEEDUPS = {"fused": ("bfloat16", fused_switch), "mkl-prompts": ("float32", mkl_prompts_switch)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("speedup", choices=sorted(SPEEDUPS))
+    parser.add_argument("--shapes", nargs="+", default=["d256", "d1024"])
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=16, help="batch-1 decode steps per run (batch 8: half)")
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "llama-bench")
+    args = parser.parse_args()
+    dtype, make_switch = SPEEDUPS[args.speedup]
+    for shape in args.shapes:
+        checkpoint = meta_checkpoint(shape, args.workdir, default_tokenizer(), "cpu")
+        generator = Llama.build(str(checkpoint), max_seq_len=1024, max_batch_size=8, device="cpu", dtype=dtype)
+        generator.tokenizer.stop_tokens = set()  # random weights: decode for exactly the steps asked
+        switch = make_switch(generator)
+        runs = {True: [], False: []}
+        for pair in range(args.pairs + 1):  # the first pair warms up (and makes any copies)
+            for on in (True, False) if pair % 2 else (False, True):
+                switch(on)
+                figures = measure(generator, args.steps)
+                if pair:
+                    runs[on].append(figures)
+        print(f"{shape} {dtype}, {args.pairs} pairs: {args.speedup} on / off, median (range)")
+        for figure in runs[True][0]:
+            ratios = [on[figure] / off[figure] for on, off in zip(runs[True], runs[False])]
+            on, off = (statistics.median(r[figure] for r in runs[way]) for way in (True, False))
+            print(f"  {figure}: {on:.1f} / {off:.1f} tok/s, "
+                  f"{statistics.median(ratios):.3f}x ({min(ratios):.2f}x to {max(ratios):.2f}x)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
