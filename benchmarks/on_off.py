@@ -33,6 +33,8 @@ import llama.cpu  # noqa: E402
 from llama import Llama  # noqa: E402
 from llama.cpu import CPULinear  # noqa: E402
 
+LONG_PROMPT = 600  # tokens before the decode steps of the last figure
+
 
 def measure(generator: Llama, steps: int) -> dict:
     """tokens/s of each figure, once."""
@@ -47,8 +49,16 @@ def measure(generator: Llama, steps: int) -> dict:
         prompt = torch.randint(0, 128000, (1, n))
         return n / timed(lambda: generator.model.forward(prompt, 0, last_logits_only=True), "cpu", 1)
 
+    def decode_after_long_prompt() -> float:
+        # The model's steps themselves, timed apart from the prompt: a long prompt's time varies by more than
+        # the steps take.
+        model, token = generator.model, torch.tensor([[DECODE_PROMPT[-1]]])
+        model.forward(torch.randint(0, 128000, (1, LONG_PROMPT)), 0, last_logits_only=True)
+        seconds = timed(lambda: [model.forward(token, LONG_PROMPT + i) for i in range(steps)], "cpu", 1)
+        return steps / seconds
+
     return {"decode b1": decode(1, steps), "decode b8": decode(8, steps // 2), "prefill 64": prefill(64),
-            "prefill 512": prefill(512)}  # fmt: skip
+            "prefill 512": prefill(512), f"decode b1 after {LONG_PROMPT}": decode_after_long_prompt()}  # fmt: skip
 
 
 def fused_switch(generator: Llama):
@@ -74,7 +84,21 @@ def mkl_prompts_switch(generator: Llama):
     return switch
 
 
-SPEEDUPS = {"fused": ("bfloat16", fused_switch), "mkl-prompts": ("float32", mkl_prompts_switch)}
+def matmul_attention_switch(generator: Llama):
+    attentions = [block.attention for block in generator.model.layers]
+    if attentions[0].one_position_attention is None:
+        sys.exit("One position's bfloat16 attention runs on float32 matmuls only on CPUs without oneDNN's bfloat16 "
+                 "kernels (AVX2)")  # fmt: skip
+
+    def switch(on: bool) -> None:
+        llama.cpu.MATMUL_ATTENTION_MIN_SCORES = min_scores if on else sys.maxsize
+
+    min_scores = llama.cpu.MATMUL_ATTENTION_MIN_SCORES
+    return switch
+
+
+SPEEDUPS = {"fused": ("bfloat16", fused_switch), "mkl-prompts": ("float32", mkl_prompts_switch),
+            "matmul-attention": ("bfloat16", matmul_attention_switch)}  # fmt: skip
 
 
 def main() -> None:
@@ -98,6 +122,7 @@ def main() -> None:
                 figures = measure(generator, args.steps)
                 if pair:
                     runs[on].append(figures)
+        switch(True)  # as it was: the next shape's switch starts from the library's own setting
         print(f"{shape} {dtype}, {args.pairs} pairs: {args.speedup} on / off, median (range)")
         for figure in runs[True][0]:
             ratios = [on[figure] / off[figure] for on, off in zip(runs[True], runs[False])]

@@ -5,7 +5,7 @@ fairscale's layers. Module names are the checkpoint's keys, so a Meta state dict
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
@@ -194,6 +194,9 @@ class Attention(nn.Module):
         )
 
         self.kv_cache = KVCache(args.max_batch_size, args.max_seq_len, self.n_local_kv_heads, self.head_dim)
+        # Where the device has a faster kernel for one new position's attention (llama.cpu sets it): a function
+        # of (xq, keys, values) in the layout passed to scaled_dot_product_attention below.
+        self.one_position_attention: Optional[Callable] = None
 
     def forward(
         self,
@@ -223,9 +226,12 @@ class Attention(nn.Module):
         # softmax(xq keys^T / sqrt(head_dim) + mask) values, fused: the scores are never stored whole, and each
         # kv head serves n_rep query heads without being copied (grouped-query attention). A prompt from position 0
         # is masked by the kernel itself (is_causal), which skips the blocks above the diagonal.
-        output = F.scaled_dot_product_attention(
-            xq, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1, enable_gqa=self.n_rep > 1
-        )
+        if seqlen == 1 and mask is None and self.one_position_attention is not None:
+            output = self.one_position_attention(xq, keys, values)
+        else:
+            output = F.scaled_dot_product_attention(
+                xq, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1, enable_gqa=self.n_rep > 1
+            )
         output = output.transpose(1, 2).contiguous().view(bsz, seqlen, -1)
         return self.wo(output)
 
