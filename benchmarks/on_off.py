@@ -4,6 +4,7 @@ run.
     python benchmarks/on_off.py fused                          # d256 and d1024, 6 pairs of runs
     python benchmarks/on_off.py fused --shapes 1b --pairs 4
     python benchmarks/on_off.py mkl-prompts --shapes d1024 1b
+    python benchmarks/on_off.py matmul-attention --shapes d1024 1b --pairs 3
 
 The speed-ups:
 - fused: `llama.cpu.FusedProduct`, wq, wk, wv and w1, w3 each run as one product on one shared float16 copy
@@ -11,11 +12,15 @@ The speed-ups:
   off, each layer makes its own copy at its first use.
 - mkl-prompts: float32 inputs of `llama.cpu.MKL_MIN_ROWS` rows or more on `F.linear` (MKL) rather than oneDNN.
   Only prompts of 512 tokens have that many rows here: the other figures show how much the rest moves.
+- matmul-attention: bfloat16 attention of one new position on float32 matmuls (`llama.cpu.one_position_attention`,
+  from `MATMUL_ATTENTION_MIN_SCORES` scores on) rather than SDPA's bfloat16 kernel; only where oneDNN has no
+  bfloat16 kernels (AVX2). Only the decode steps after a long prompt attend over that many positions here.
 
 A shared machine's speed drifts from minute to minute by more than these gains, so two separate benchmark runs
 cannot show it; here each pair runs both ways within seconds of each other (in alternating order), and the
 median of the pairs' ratios is printed with their range. Measured: decode tokens/s at batch 1 and 8 (greedy,
-prefill time subtracted, as bench.py) and prefill tokens/s for prompts of 64 and 512 tokens.
+prefill time subtracted, as bench.py), prefill tokens/s for prompts of 64 and 512 tokens, and tokens/s of the
+model's batch-1 decode steps after a prompt of LONG_PROMPT tokens.
 """
 
 import argparse
@@ -85,15 +90,14 @@ def mkl_prompts_switch(generator: Llama):
 
 
 def matmul_attention_switch(generator: Llama):
-    attentions = [block.attention for block in generator.model.layers]
-    if attentions[0].one_position_attention is None:
+    if generator.model.layers[0].attention.one_position_attention is None:
         sys.exit("One position's bfloat16 attention runs on float32 matmuls only on CPUs without oneDNN's bfloat16 "
                  "kernels (AVX2)")  # fmt: skip
+    min_scores = llama.cpu.MATMUL_ATTENTION_MIN_SCORES
 
     def switch(on: bool) -> None:
         llama.cpu.MATMUL_ATTENTION_MIN_SCORES = min_scores if on else sys.maxsize
 
-    min_scores = llama.cpu.MATMUL_ATTENTION_MIN_SCORES
     return switch
 
 
