@@ -5,6 +5,7 @@ run.
     python benchmarks/on_off.py fused --shapes 1b --pairs 4
     python benchmarks/on_off.py mkl-prompts --shapes d1024 1b
     python benchmarks/on_off.py matmul-attention --shapes d1024 1b --pairs 3
+    python benchmarks/on_off.py top-p-head --shapes d256 d1024 1b --pairs 4
 
 The speed-ups:
 - fused: `llama.cpu.FusedProduct`, wq, wk, wv and w1, w3 each run as one product on one shared float16 copy
@@ -15,15 +16,21 @@ The speed-ups:
 - matmul-attention: bfloat16 attention of one new position on float32 matmuls (`llama.cpu.one_position_attention`,
   from `MATMUL_ATTENTION_MIN_SCORES` scores on) rather than SDPA's bfloat16 kernel; only where oneDNN has no
   bfloat16 kernels (AVX2). Only the decode steps after a long prompt attend over that many positions here.
+- top-p-head: nucleus sampling ranks only the most likely tokens of each row (`llama.decoding.nucleus_head`) rather
+  than sorting the whole vocabulary; only sampled decoding uses it.
+- greedy-numpy: greedy decoding picks the most likely token with numpy's argmax (`llama.decoding.greedy_pick`)
+  rather than torch's.
 
 A shared machine's speed drifts from minute to minute by more than these gains, so two separate benchmark runs
 cannot show it; here each pair runs both ways within seconds of each other (in alternating order), and the
 median of the pairs' ratios is printed with their range. Measured: decode tokens/s at batch 1 and 8 (greedy,
-prefill time subtracted, as bench.py), prefill tokens/s for prompts of 64 and 512 tokens, and tokens/s of the
-model's batch-1 decode steps after a prompt of LONG_PROMPT tokens.
+prefill time subtracted, as bench.py), the same at batch 1 sampled as the examples sample (temperature 0.6, top_p
+0.9), prefill tokens/s for prompts of 64 and 512 tokens, and tokens/s of the model's batch-1 decode steps after a
+prompt of LONG_PROMPT tokens.
 """
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -35,8 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import DECODE_PROMPT, default_tokenizer, meta_checkpoint, timed  # noqa: E402
 
 import llama.cpu  # noqa: E402
+import llama.decoding  # noqa: E402
 from llama import Llama  # noqa: E402
 from llama.cpu import CPULinear  # noqa: E402
+from llama.decoding import greedy_pick  # noqa: E402
 
 LONG_PROMPT = 600  # tokens before the decode steps of the last figure
 
@@ -44,9 +53,10 @@ LONG_PROMPT = 600  # tokens before the decode steps of the last figure
 def measure(generator: Llama, steps: int) -> dict:
     """tokens/s of each figure, once."""
 
-    def decode(bsz: int, n: int) -> float:
+    def decode(bsz: int, n: int, temperature: float = 0) -> float:
         def generate(tokens):
-            return timed(lambda: generator.generate([DECODE_PROMPT] * bsz, max_gen_len=tokens, temperature=0), "cpu", 1)
+            prompts = [DECODE_PROMPT] * bsz
+            return timed(lambda: generator.generate(prompts, tokens, temperature, top_p=0.9), "cpu", 1)
 
         return bsz * n / (generate(n + 1) - generate(1))
 
@@ -62,7 +72,8 @@ def measure(generator: Llama, steps: int) -> dict:
         seconds = timed(lambda: [model.forward(token, LONG_PROMPT + i) for i in range(steps)], "cpu", 1)
         return steps / seconds
 
-    return {"decode b1": decode(1, steps), "decode b8": decode(8, steps // 2), "prefill 64": prefill(64),
+    return {"decode b1": decode(1, steps), "decode b8": decode(8, steps // 2),
+            "decode b1 sampled": decode(1, steps, temperature=0.6), "prefill 64": prefill(64),
             "prefill 512": prefill(512), f"decode b1 after {LONG_PROMPT}": decode_after_long_prompt()}  # fmt: skip
 
 
@@ -101,8 +112,25 @@ def matmul_attention_switch(generator: Llama):
     return switch
 
 
+def top_p_head_switch(generator: Llama):
+    sizes = llama.decoding.NUCLEUS_HEAD_SIZES
+
+    def switch(on: bool) -> None:
+        llama.decoding.NUCLEUS_HEAD_SIZES = sizes if on else ()
+
+    return switch
+
+
+def greedy_numpy_switch(generator: Llama):
+    def switch(on: bool) -> None:
+        llama.decoding.greedy_pick = greedy_pick if on else functools.partial(torch.argmax, dim=-1)
+
+    return switch
+
+
 SPEEDUPS = {"fused": ("bfloat16", fused_switch), "mkl-prompts": ("float32", mkl_prompts_switch),
-            "matmul-attention": ("bfloat16", matmul_attention_switch)}  # fmt: skip
+            "matmul-attention": ("bfloat16", matmul_attention_switch), "top-p-head": ("bfloat16", top_p_head_switch),
+            "greedy-numpy": ("bfloat16", greedy_numpy_switch)}  # fmt: skip
 
 
 def main() -> None:

@@ -158,8 +158,8 @@ class KVCache(nn.Module):
         returned, its unwritten positions left for the caller's mask to hide.
         """
         bsz, seqlen = xk.shape[:2]
-        self.cache_k = self.cache_k.to(xk)  # the cache follows the activations' device and dtype
-        self.cache_v = self.cache_v.to(xv)
+        if (self.cache_k.device, self.cache_k.dtype) != (xk.device, xk.dtype):  # follow the activations
+            self.cache_k, self.cache_v = self.cache_k.to(xk), self.cache_v.to(xv)
         if isinstance(start_pos, torch.Tensor):
             self.cache_k[:bsz].index_copy_(1, start_pos, xk)
             self.cache_v[:bsz].index_copy_(1, start_pos, xv)

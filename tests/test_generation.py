@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from llama import Llama
-from llama.decoding import sample_top_p
+from llama.decoding import greedy_pick, sample_top_p
 
 BOS, EOS, START_HEADER, END_HEADER, EOT = 128000, 128001, 128006, 128007, 128009
 
@@ -85,6 +85,16 @@ def logprobs_alone(model, seq: List[int]) -> List[float]:
     return [0.0] + [logp[t - 1, seq[t]].item() for t in range(1, len(seq))]
 
 
+def reference_top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """The reference's nucleus draw, batched: sort each row, keep the tokens with at most `p` of the mass above
+    them, renormalise, draw one per row; (bsz, 1) token indices."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs[mass_before > p] = 0.0
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    return torch.gather(order, -1, torch.multinomial(sorted_probs, num_samples=1))
+
+
 def top_p_picks(model, prompt: List[int], generated: List[int], temperature: float, top_p: float) -> List[int]:
     """The reference's sampling written out, step by step from the current global RNG state: softmax(logits / T),
     keep the nucleus, renormalise, draw one; what it draws after prompt + generated[:i] for each i."""
@@ -92,12 +102,7 @@ def top_p_picks(model, prompt: List[int], generated: List[int], temperature: flo
     picks = []
     for step_logits in logits:
         probs = torch.softmax(step_logits / temperature, dim=-1)[None]  # (1, vocab): a batch of one, as generate's
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs[mass_before > top_p] = 0.0
-        sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-        pick = torch.multinomial(sorted_probs, num_samples=1)
-        picks.append(int(order[0, pick[0, 0]]))
+        picks.append(int(reference_top_p(probs, top_p)[0, 0]))
     return picks
 
 
@@ -403,6 +408,42 @@ def test_sample_top_p_keeps_a_token_whose_preceding_mass_equals_p():
     """The reference drops a token only when the mass before it *exceeds* p (dyadic values: exact in float)."""
     probs = torch.tensor([0.0625, 0.5, 0.25, 0.125, 0.0625])
     assert_nucleus_sampling(probs, 0.5, {1, 2})
+
+
+def llama3_probs(rows: int, spread: float, seed: int, tie_at_top: bool = False) -> torch.Tensor:
+    """softmax(logits / 0.6) over Llama 3's vocabulary, of bfloat16 logits (so many tokens share a probability)
+    drawn with standard deviation `spread`: a few likely tokens for a large spread, thousands for a small one.
+    With `tie_at_top`, two tokens share the highest probability."""
+    logits = (torch.randn(rows, 128256, generator=torch.Generator().manual_seed(seed)) * spread).bfloat16().float()
+    if tie_at_top:
+        logits[:, [9, 70000]] = logits.amax(dim=-1, keepdim=True) + 1
+    return torch.softmax(logits / 0.6, dim=-1)
+
+
+@pytest.mark.parametrize("p", [0.9, 0.5, 0.99, 1e-6, 1.0])
+@pytest.mark.parametrize(
+    "rows, spread, tie_at_top",
+    [(1, 10.0, False), (3, 4.0, False), (1, 10.0, True), (2, 4.0, True), (1, 0.5, False), (2, 0.5, True)],
+)
+def test_sample_top_p_draws_the_references_tokens_from_the_same_seed(rows, spread, tie_at_top, p):
+    """On CPU only the head of each row is ranked (torch.topk) unless the nucleus is large: the same tokens, and the
+    random generator left in the same state, as the reference's full sort, also when the drawn token's probability
+    is shared (which the unstable sort orders its own way)."""
+    probs = llama3_probs(rows, spread, seed=rows + int(10 * spread), tie_at_top=tie_at_top)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        expected, expected_next = reference_top_p(probs.clone(), p), torch.rand(4)
+        torch.manual_seed(seed)
+        assert torch.equal(sample_top_p(probs, p), expected)
+        assert torch.equal(torch.rand(4), expected_next)
+
+
+def test_greedy_pick_is_torch_argmax():
+    logits = torch.tensor([[1.0, 3.0, float("nan"), 3.0, float("nan")], [0.0, -0.0, 0.0, -1.0, -1.0]])
+    logits = torch.cat([logits, torch.full((2, 128251), -2.0)], dim=1)
+    wide = torch.randn(4, 3, 128256)[:, -1]  # a strided view, as generate passes it
+    for x in (logits, wide, logits.bfloat16()):
+        assert torch.equal(greedy_pick(x), torch.argmax(x, dim=-1))
 
 
 def assert_nucleus_sampling(probs, p, nucleus):
