@@ -265,7 +265,7 @@ def nucleus_head(probs: torch.Tensor, p: float) -> Optional[Tuple[torch.Tensor, 
     token exceeds `p` in every row (so the rest of the row lies outside the nucleus), or None where the largest
     head holds too little of the mass (a flat distribution, or `p` near 1).
 
-    On CPU, sorting the 128256 probabilities of Llama 3's vocabulary takes some 12 ms, several times a decode step of
+    On CPU, sorting the 128256 probabilities of Llama 3's vocabulary takes milliseconds, more than a decode step of
     a small model; `torch.topk` ranks the head in a fraction of that. The values are the sort's, in its order; among
     equal values the indices may come in another order, which `token_ranked` settles.
     """
