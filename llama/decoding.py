@@ -296,8 +296,8 @@ def token_ranked(probs: torch.Tensor, ranked: torch.Tensor, vocab_index: torch.T
     the ranking, and which of them the full sort (an unstable one) puts at which rank is its own: for those, and
     at the head's last rank, whose neighbour below is not in the head, the row is sorted to find out.
     """
-    value = ranked[rank] if rank < len(ranked) - 1 else None
-    if value is not None and value != ranked[rank + 1] and (rank == 0 or value != ranked[rank - 1]):
+    neighbour_below_in_head = rank + 1 < len(ranked)
+    if neighbour_below_in_head and ranked[rank] != ranked[rank + 1] and (rank == 0 or ranked[rank] != ranked[rank - 1]):
         return vocab_index[rank : rank + 1]
     return torch.sort(probs, descending=True).indices[rank : rank + 1]
 
