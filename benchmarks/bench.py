@@ -182,12 +182,16 @@ def peak_memory_mb(device: str) -> float:
 
 def decode_step_bytes(model) -> int:
     """Bytes one batch-1 decode step reads: every weight once, except the embedding table (one row is read),
-    unless it doubles as the output head."""
+    unless it doubles as the output head; a weight that runs on a float16 copy (`llama.cpu.CPULinear`), 2 bytes
+    each."""
+    from llama.cpu import CPULinear
+
+    on_copies = {id(m.weight) for m in model.modules() if isinstance(m, CPULinear) and (m.fused or m).packed}
     weights = {}  # a tied head and the embedding are one parameter
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]  # quantized: buffers
     for name, p in tensors:
         if name != "tok_embeddings.weight" and "kv_cache" not in name:
-            weights[id(p)] = p.numel() * p.element_size()
+            weights[id(p)] = p.numel() * (2 if id(p) in on_copies else p.element_size())
     return sum(weights.values())
 
 
@@ -283,6 +287,10 @@ def worker_transformers(args) -> dict:
     model = transformers.LlamaForCausalLM.from_pretrained(args.checkpoint, dtype=dtype).to(args.device).eval()
     sync(args.device)
     result = {"load_s": time.perf_counter() - start, "attention": model.config._attn_implementation}
+    tied = model.lm_head.weight is model.model.embed_tokens.weight  # then the table is read whole, as the head
+    result["step_bytes"] = sum(
+        p.numel() * p.element_size() for name, p in model.named_parameters() if tied or "embed_tokens" not in name
+    )
     steps = args.decode_steps
     prompts = {n: torch.randint(0, 128000, (1, n), device=args.device) for n in args.prefill_lens}
     with torch.inference_mode():
@@ -489,7 +497,7 @@ def main() -> None:
                 log(f"{shape} {dtype}: {library} ...")
                 folder = meta if library == "llama" else hf_checkpoint(meta)
                 results[library] = run_worker(library, folder, shape, dtype, opts)
-                share = roofline_share(results[library]["decode_b1_runs"], results["llama"]["step_bytes"])
+                share = roofline_share(results[library]["decode_b1_runs"], results[library]["step_bytes"])
                 log(f"{shape} {dtype}: {library}: {json.dumps(results[library])}; b1 roofline reached: {share:.0%}")
             for kind in LLAMA_CPP_TYPES if with_llama_cpp and not cpp else ():  # once per shape: its own types
                 log(f"{shape}: llama.cpp {kind} ...")
@@ -554,12 +562,13 @@ def print_table(rows, prefill_lens) -> None:
             f"the bandwidth read after it, {min(bandwidths):.0f}-{max(bandwidths):.0f} GB/s)"
         )
         if theirs:  # quantized rows have neither transformers nor the reference algorithm
-            theirs_share = roofline_share(theirs["decode_b1_runs"], ours["step_bytes"])
+            theirs_share = roofline_share(theirs["decode_b1_runs"], theirs["step_bytes"])
             reference = ", ".join(
                 f"{n}: {ours[f'prefill{n}_tok_s'] / ours[f'prefill{n}_reference_tok_s']:.2f}x" for n in prefill_lens
             )
             summary += (
-                f", transformers ({theirs.get('attention')} attention) {theirs_share:.0%}; prefill against the "
+                f", transformers ({theirs.get('attention')} attention) {theirs_share:.0%} of its own "
+                f"({theirs['step_bytes'] / 1e6:.0f} MB per token); prefill against the "
                 f"reference algorithm {reference}"
             )
         print(f"{summary}; load {ours['load_s'] / row['read_s']:.2f}x the read time")

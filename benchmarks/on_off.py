@@ -4,6 +4,7 @@ run.
     python benchmarks/on_off.py fused                          # d256 and d1024, 6 pairs of runs
     python benchmarks/on_off.py fused --shapes 1b --pairs 4
     python benchmarks/on_off.py mkl-prompts --shapes d1024 1b
+    python benchmarks/on_off.py float32-copies --shapes d256 d1024 1b --pairs 3
     python benchmarks/on_off.py matmul-attention --shapes d1024 1b --pairs 3
     python benchmarks/on_off.py top-p-head --shapes d256 d1024 1b --pairs 4
 
@@ -11,6 +12,9 @@ The speed-ups:
 - fused: `llama.cpu.FusedProduct`, wq, wk, wv and w1, w3 each run as one product on one shared float16 copy
   (bfloat16; only where bfloat16 runs on float16 copies: x86 CPUs without oneDNN's bfloat16 kernels). Switched
   off, each layer makes its own copy at its first use.
+- float32-copies: a float32 model (from a bfloat16 checkpoint) on float16 copies of its weights (fbgemm's kernels,
+  wq, wk, wv and w1, w3 fused as above) rather than oneDNN's float32 kernels on the weights as loaded. Prompts of
+  512 tokens run on `F.linear` either way.
 - mkl-prompts: float32 inputs of `llama.cpu.MKL_MIN_ROWS` rows or more on `F.linear` (MKL) rather than oneDNN.
   Only prompts of 512 tokens have that many rows here: the other figures show how much the rest moves.
 - matmul-attention: bfloat16 attention of one new position on float32 matmuls (`llama.cpu.one_position_attention`,
@@ -91,6 +95,19 @@ def fused_switch(generator: Llama):
     return switch
 
 
+def float32_copies_switch(generator: Llama):
+    layers = [m for m in generator.model.modules() if isinstance(m, CPULinear)]
+    settings = {layer: (layer.packing, layer.fused) for layer in layers}
+    if not any(packing == "fp16" for packing, _ in settings.values()):
+        sys.exit("No float16 copies here: they need fbgemm (x86) and memory for them")
+
+    def switch(on: bool) -> None:
+        for layer in layers:
+            layer.packing, layer.fused = settings[layer] if on else (None, None)
+
+    return switch
+
+
 def mkl_prompts_switch(generator: Llama):
     rows = llama.cpu.MKL_MIN_ROWS
 
@@ -129,6 +146,7 @@ def greedy_numpy_switch(generator: Llama):
 
 
 SPEEDUPS = {"fused": ("bfloat16", fused_switch), "mkl-prompts": ("float32", mkl_prompts_switch),
+            "float32-copies": ("float32", float32_copies_switch),
             "matmul-attention": ("bfloat16", matmul_attention_switch), "top-p-head": ("bfloat16", top_p_head_switch),
             "greedy-numpy": ("bfloat16", greedy_numpy_switch)}  # fmt: skip
 

@@ -6,6 +6,7 @@ of the reference math in float32 and greedy tokens equal. Figures: `benchmarks/b
 """
 
 import math
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
@@ -50,13 +51,26 @@ FP16_MAX = torch.finfo(torch.float16).max
 FP16_BLOCK_VALUES = 2**24  # fbgemm packs blocks of this size 3-4x faster than a 128256-row head whole
 
 
+def holds_bfloat16_values(weight: torch.Tensor) -> bool:
+    """Whether every value of `weight` is a bfloat16 value: true of bfloat16 weights, and of float32 ones loaded
+    from a bfloat16 checkpoint, whose low 16 bits are then zero (counted on a view of them: no copy is made)."""
+    if weight.dtype == torch.bfloat16:
+        return True
+    if weight.dtype != torch.float32 or not weight.is_contiguous():
+        return False
+    low_halves = weight.view(torch.int16).view(*weight.shape, 2)[..., 0 if sys.byteorder == "little" else 1]
+    return int(torch.count_nonzero(low_halves)) == 0
+
+
 def pack_as_fp16(weight: torch.Tensor) -> Optional[List[torch.Tensor]]:
-    """fbgemm's packed float16 copy of a bfloat16 `weight`, in blocks of rows, or None if a value lies outside
-    float16's range (or is not finite), where the copy would not hold the weight.
+    """fbgemm's packed float16 copy of `weight`, in blocks of rows, or None where float16 cannot hold it: a value
+    that is not a bfloat16 value (`holds_bfloat16_values`), lies outside float16's range, or is not finite.
 
     Within that range float16 holds every bfloat16 value exactly, except those below 2**-17 in magnitude, which
     it rounds to a multiple of 2**-24 (float16's subnormals): a change below 3e-8 per weight.
     """
+    if not holds_bfloat16_values(weight):
+        return None
     rows = max(1, FP16_BLOCK_VALUES // weight.shape[1])
     packed = []
     for block in weight.detach().split(rows):
@@ -124,12 +138,12 @@ class CPULinear(ParallelLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # torch.compile picks its own kernels
             return F.linear(x, self.weight)
-        if self.weight.dtype == torch.float32:
-            if x.numel() >= MKL_MIN_ROWS * x.shape[-1]:
-                return F.linear(x, self.weight)
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        if self.weight.dtype == torch.float32 and x.numel() >= MKL_MIN_ROWS * x.shape[-1]:
+            return F.linear(x, self.weight)
         if self.packing == "fp16" and (y := self.fp16_product(x)) is not None:
             return y
+        if self.weight.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         if x.numel() == x.shape[-1]:  # one row: PyTorch's own matrix-vector product, what F.linear runs without oneDNN
             return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
         if self.packing == "onednn":
@@ -284,10 +298,10 @@ def speed_up_for_cpu(model: nn.Module) -> None:
     weight = model.tok_embeddings.weight
     if not onednn_supported(weight.device) or weight.dtype not in (torch.float32, torch.bfloat16):
         return
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    copy_bytes = sum(p.numel() * 2 for p in model.parameters())  # a bfloat16 or float16 copy of every weight
     packing = None
-    if weight.dtype == torch.bfloat16 and 2 * weight_bytes <= available_memory():
-        if onednn_bf16_supported():
+    if 2 * copy_bytes <= available_memory():
+        if weight.dtype == torch.bfloat16 and onednn_bf16_supported():
             packing = "onednn" if model.params.max_batch_size > 1 else None
         elif fbgemm_fp16_supported():
             packing = "fp16"

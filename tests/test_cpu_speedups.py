@@ -1,5 +1,5 @@
 """The CPU speed-ups keep the reference math: llama/cpu.py's linear layers (packed oneDNN weights, float16 copies of
-bfloat16 weights, matrix-vector kernels), fused attention, and `llama.parallel_layers` against fairscale's layers,
+bfloat16 weights and of float32 ones holding bfloat16 values, matrix-vector kernels), fused attention, and `llama.parallel_layers` against fairscale's layers,
 on tiny random weights.
 
 The reference is the same checkpoint run as Meta's code runs it: `F.linear` and attention step by step
@@ -24,7 +24,14 @@ from helpers import (
 )
 
 import llama.cpu
-from llama.cpu import CPULinear, fbgemm_fp16_supported, fp16_linear, onednn_bf16_supported, pack_as_fp16
+from llama.cpu import (
+    CPULinear,
+    fbgemm_fp16_supported,
+    fp16_linear,
+    holds_bfloat16_values,
+    onednn_bf16_supported,
+    pack_as_fp16,
+)
 from llama.demo import random_weights
 from llama.model import Transformer
 from llama.parallel_layers import ParallelEmbedding, ParallelLinear, unpack_layers, use_parallel_layers
@@ -184,10 +191,11 @@ def test_parallel_layers_compute_what_fairscale_layers_do(process_group, tmp_pat
     assert torch.equal(incremental_logits(model, tokens, [6, 1, 1, 1, 1]), expected)
 
 
-def test_no_packed_copies_without_memory_for_them(process_group, tmp_path, monkeypatch):
-    """A second copy of the weights is made only when the system has twice their size available."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_no_packed_copies_without_memory_for_them(process_group, tmp_path, monkeypatch, dtype):
+    """A second copy of the weights is made only when the system has twice its size available."""
     monkeypatch.setattr(llama.cpu, "available_memory", lambda: 0)
-    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=15), torch.bfloat16)
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=15), dtype)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(7))
     incremental_logits(model, tokens, [6, 1, 1])
     assert all(m.packed is None for m in model.modules() if isinstance(m, CPULinear))
@@ -217,7 +225,8 @@ needs_fbgemm = pytest.mark.skipif(not fbgemm_fp16_supported(), reason="this torc
 @needs_fbgemm
 def test_float16_copy_holds_each_bfloat16_weight(monkeypatch):
     """The float16 copy gives back every bfloat16 weight exactly, but for the smallest (below 2**-17), which move by
-    at most half of 2**-24; blocks of rows join in order. A weight float16 cannot hold is not copied."""
+    at most half of 2**-24; blocks of rows join in order. The same holds for float32 weights of bfloat16 values. A
+    weight float16 cannot hold is not copied."""
     monkeypatch.setattr(llama.cpu, "FP16_BLOCK_VALUES", 7 * 16)  # 7 rows a block: blocks of 7, 7 and 6
     weight = torch.randn(20, 16, generator=torch.Generator().manual_seed(4))
     weight[0, :6] = torch.tensor([6e4, -6e4, 2**-14, 3 * 2**-17, 1e-7, -5e-9])
@@ -229,6 +238,13 @@ def test_float16_copy_holds_each_bfloat16_weight(monkeypatch):
     assert torch.equal(copy_[exact], weight.float()[exact])
     assert (copy_ - weight.float()).abs().max() <= 2**-25
     assert copy_[0, 4] != weight.float()[0, 4]  # 1e-7 does round
+    # A float32 weight of the same (bfloat16) values gets the same copy; one value that is not a bfloat16 value
+    # (the weights of a float32 checkpoint) and it gets none: float16 would round it.
+    as_float32 = weight.float()
+    assert holds_bfloat16_values(as_float32)
+    assert torch.equal(fp16_linear(torch.eye(16), pack_as_fp16(as_float32)).T, copy_)
+    as_float32[7, 2] += 2**-20
+    assert not holds_bfloat16_values(as_float32) and pack_as_fp16(as_float32) is None
     for value in (7e4, float("nan"), float("inf")):
         weight[3, 3] = value
         assert pack_as_fp16(weight) is None
@@ -263,6 +279,46 @@ def test_bfloat16_on_float16_copies_keeps_the_reference_results(process_group, t
     prompt = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(3))
     for batch in (prompt, prompt[:1]):
         assert torch.equal(greedy_tokens(fast, batch, 20), greedy_tokens(reference, batch, 20))
+
+
+@needs_fbgemm
+def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tmp_path):
+    """A float32 model loaded from a bfloat16 checkpoint runs its inputs of fewer than `MKL_MIN_ROWS` rows (decode
+    steps, short prompts) on float16 copies of its weights, made at load: its logits stay within 1e-4 of Meta's
+    float32 math and greedy decoding gives Meta's tokens; state_dict() gives the float32 weights. A float32
+    checkpoint whose weights are not bfloat16 values gets no copies: it runs on the float32 weights."""
+    weights = random_weights(GQA_PARAMS, seed=23)  # bfloat16, as Meta ships checkpoints
+    fast = load_tiny(tmp_path / "fast", weights, torch.float32)
+    layers = [m for m in fast.modules() if isinstance(m, CPULinear)]
+    assert layers and all(m.packing == "fp16" and (m.fused or m).packed[1] is not None for m in layers)
+    # The copy is what runs: a weight below 2**-17 comes out as float16 holds it.
+    wo = copy.deepcopy(fast.layers[0].attention.wo)
+    tiny = torch.tensor(1e-7).bfloat16().float()
+    with torch.no_grad():
+        wo.weight[0, 0] = tiny
+    with torch.inference_mode():
+        assert wo(torch.eye(GQA_PARAMS["dim"])[:3])[0, 0] == tiny.half().float() != tiny
+    reference = reference_model(tmp_path / "reference", weights, torch.float32)
+    assert all(torch.equal(fast.state_dict()[k], v) for k, v in reference.state_dict().items())
+
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(5))
+    expected = reference(tokens, 0)
+    assert expected.abs().max() > 1
+    for logits in (fast(tokens, 0), incremental_logits(fast, tokens, [24] + [1] * 8)):
+        assert 0 < (logits - expected).abs().max() < ATOL  # not the reference's kernels, and within rounding
+    one_row = incremental_logits(fast, tokens[:1], [24] + [1] * 8)
+    assert (one_row - expected[:1]).abs().max() < ATOL
+    prompt = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(3))
+    for batch in (prompt, prompt[:1]):
+        assert torch.equal(greedy_tokens(fast, batch, 20), greedy_tokens(reference, batch, 20))
+
+    generator = torch.Generator().manual_seed(24)
+    trained = {k: v.float() + 1e-3 * torch.randn(v.shape, generator=generator) for k, v in weights.items()}
+    full_precision = load_tiny(tmp_path / "float32 values", trained, torch.float32)
+    layers = [m for m in full_precision.modules() if isinstance(m, CPULinear)]
+    assert all((m.fused or m).packed[1] is None for m in layers)
+    expected = reference_model(tmp_path / "float32 reference", trained, torch.float32)(tokens, 0)
+    assert (incremental_logits(full_precision, tokens, [24] + [1] * 8) - expected).abs().max() < ATOL
 
 
 @needs_fbgemm
