@@ -1,6 +1,6 @@
 """The CPU speed-ups keep the reference math: llama/cpu.py's linear layers (packed oneDNN weights, float16 copies of
-bfloat16 weights and of float32 ones holding bfloat16 values, matrix-vector kernels), fused attention, and `llama.parallel_layers` against fairscale's layers,
-on tiny random weights.
+bfloat16 weights and of float32 ones holding bfloat16 values, matrix-vector kernels), fused attention, and
+`llama.parallel_layers` against fairscale's layers, on tiny random weights.
 
 The reference is the same checkpoint run as Meta's code runs it: `F.linear` and attention step by step
 (`helpers.with_reference_attention`).
