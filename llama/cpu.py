@@ -1,8 +1,9 @@
 """CPU speed-up, applied at load: each linear layer's matmul on the CPU kernel that runs it fastest.
 
 It keeps the reference math: only the order in which products are summed changes, and on float16 copies of
-bfloat16 weights (`pack_as_fp16`) the smallest weights round by less than 3e-8. Tests hold logits within 1e-4
-of the reference math in float32 and greedy tokens equal. Figures: `benchmarks/bench.py`.
+weights that hold bfloat16 values (`pack_as_fp16`: bfloat16 weights, or float32 ones from a bfloat16 checkpoint)
+the smallest weights round by less than 3e-8. Tests hold logits within 1e-4 of the reference math in float32 and
+greedy tokens equal. Figures: `benchmarks/bench.py`.
 """
 
 import math
@@ -44,8 +45,9 @@ def fbgemm_fp16_supported() -> bool:
     )
 
 
-# From this many rows (a long prompt), float32 runs on `F.linear` (MKL's GEMM), faster there than oneDNN on the
-# weight as loaded (prompts of 512 tokens 1.05x to 1.12x: benchmarks/on_off.py mkl-prompts); about even at 128.
+# From this many rows (a long prompt), float32 without a float16 copy runs on `F.linear` (MKL's GEMM), faster there
+# than oneDNN on the weight as loaded (prompts of 512 tokens 1.05x to 1.12x: benchmarks/on_off.py mkl-prompts);
+# about even at 128.
 MKL_MIN_ROWS = 128
 FP16_MAX = torch.finfo(torch.float16).max
 FP16_BLOCK_VALUES = 2**24  # fbgemm packs blocks of this size 3-4x faster than a 128256-row head whole
@@ -111,14 +113,17 @@ class CPULinear(ParallelLinear):
     into its blocked layout on every call. Here float32 runs on oneDNN, which reads the weight as loaded at
     over 80% (and is 2x faster at batch 8) but runs long prompts slower than MKL (`MKL_MIN_ROWS`), and a single
     bfloat16 row on PyTorch's own matrix-vector product.
-    A bfloat16 weight can also run on a packed copy, made when the weight is first used and again whenever it
-    has changed since (`packing`):
+    A weight can also run on a packed copy, made when the weight is first used and again whenever it has changed
+    since (`packing`):
     - "onednn": inputs of several rows (prompts, decode steps of several sequences) run on a copy in oneDNN's
       blocked layout, the same kernel as `F.linear` (bit-identical results) without the reorder on every call.
       It needs oneDNN's bfloat16 kernels (AVX-512 and later).
-    - "fp16": every input runs on fbgemm's packed float16 copy (`pack_as_fp16`), in float32 arithmetic. Where
-      oneDNN has no bfloat16 kernels (AVX2), PyTorch widens each bfloat16 weight in a slow loop: one row runs
-      at half the memory bandwidth, and several rows 5 to 8 times slower than on the float16 copy.
+    - "fp16": inputs run on fbgemm's packed float16 copy (`pack_as_fp16`), in float32 arithmetic: every input
+      of a bfloat16 weight, where oneDNN has no bfloat16 kernels (AVX2) and PyTorch widens each bfloat16 weight
+      in a slow loop (one row at half the memory bandwidth, several rows 5 to 8 times slower than on the copy);
+      and every input of a float32 weight that holds bfloat16 values (a bfloat16 checkpoint loaded in float32),
+      which the copy holds in half the bytes: decode steps read half as much, and long prompts run faster than
+      on MKL.
     The forward is fairscale's with that matmul in place of `F.linear` (`ParallelLinear`); the weight is the
     same parameter, so it can be edited or tied as usual.
     """
@@ -138,11 +143,11 @@ class CPULinear(ParallelLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # torch.compile picks its own kernels
             return F.linear(x, self.weight)
-        if self.weight.dtype == torch.float32 and x.numel() >= MKL_MIN_ROWS * x.shape[-1]:
-            return F.linear(x, self.weight)
         if self.packing == "fp16" and (y := self.fp16_product(x)) is not None:
             return y
         if self.weight.dtype == torch.float32:
+            if x.numel() >= MKL_MIN_ROWS * x.shape[-1]:
+                return F.linear(x, self.weight)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         if x.numel() == x.shape[-1]:  # one row: PyTorch's own matrix-vector product, what F.linear runs without oneDNN
             return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
@@ -277,22 +282,27 @@ def make_fp16_copies(model: nn.Module) -> None:
     copies = {layer.fused or layer for layer in layers}  # a fused group's copy once
     start = time.perf_counter()
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        list(pool.map(lambda owner: owner.packed_weight(), copies))
-    if global_rank() == 0:
-        print(f"Made float16 copies of the weights for this CPU's kernels in {time.perf_counter() - start:.2f} seconds")
+        made = sum(packed is not None for packed in pool.map(lambda owner: owner.packed_weight(), copies))
+    seconds = time.perf_counter() - start
+    if global_rank() == 0 and made:
+        kept = f" ({len(copies) - made} of {len(copies)} not: float16 cannot hold them)" if made < len(copies) else ""
+        print(f"Made float16 copies of the weights for this CPU's kernels{kept} in {seconds:.2f} seconds")
 
 
 def speed_up_for_cpu(model: nn.Module) -> None:
     """Apply this module's speed-ups to a loaded `Transformer` (model-parallel layers still fairscale's), where it
     runs on the CPU in float32 or bfloat16 and this torch build supports them.
 
-    In bfloat16, when a second copy of the weights fits in half the memory the system has available now:
-    - where the CPU has oneDNN's bfloat16 kernels and the model may see batches, inputs of several rows run on
-      oneDNN-packed weights, made at their first use (for 1B on an AVX-512 machine: decode steps of 8 sequences
-      1.5-1.9x faster, a prompt of 17 tokens 1.45x, of 256 tokens 2-3%);
-    - elsewhere, with fbgemm (x86), every input runs on float16 copies, made here (on the 2-core AVX2 machine
-      we measure on, for Llama 3.2 1B: 11 to 14 s, then batch-1 decode 1.1 to 1.2x faster than on the bfloat16
-      weights, and prompts and batches 3 to 8x).
+    When a copy of the weights in 2 bytes each fits in half the memory the system has available now:
+    - in bfloat16, where the CPU has oneDNN's bfloat16 kernels and the model may see batches, inputs of several
+      rows run on oneDNN-packed weights, made at their first use (for 1B on an AVX-512 machine: decode steps of 8
+      sequences 1.5-1.9x faster, a prompt of 17 tokens 1.45x, of 256 tokens 2-3%);
+    - in bfloat16 elsewhere, with fbgemm (x86), every input runs on float16 copies, made here (on the 2-core AVX2
+      machine we measure on, for Llama 3.2 1B: 11 to 14 s, then batch-1 decode 1.1 to 1.2x faster than on the
+      bfloat16 weights, and prompts and batches 3 to 8x);
+    - in float32, with fbgemm, weights that hold bfloat16 values (a bfloat16 checkpoint) run every input on
+      float16 copies, made here (1B on the AVX2 machine: 7 s, then batch-1 decode about 1.6x and batch 8 about 2x
+      faster than on oneDNN's float32 kernels: `benchmarks/on_off.py float32-copies`).
     In bfloat16 where oneDNN has no bfloat16 kernels, one new position attends through `one_position_attention`.
     """
     weight = model.tok_embeddings.weight

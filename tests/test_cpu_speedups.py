@@ -125,8 +125,8 @@ def test_prompt_attended_causally_equals_the_mask_tensor_bit_for_bit(process_gro
 
 
 def test_long_float32_inputs_run_on_f_linear_bit_for_bit(process_group):
-    """From `MKL_MIN_ROWS` rows on (a long prompt), a float32 layer gives what `F.linear`, the layer Meta's code
-    runs, gives, bit for bit; fewer rows run on oneDNN, whose sums here round differently."""
+    """From `MKL_MIN_ROWS` rows on (a long prompt), a float32 layer without a float16 copy gives what `F.linear`,
+    the layer Meta's code runs, gives, bit for bit; fewer rows run on oneDNN, whose sums here round differently."""
     generator = torch.Generator().manual_seed(5)
     layer = CPULinear(ColumnParallelLinear(384, 96, bias=False, gather_output=False, init_method=lambda w: w))
     with torch.no_grad():
@@ -282,22 +282,25 @@ def test_bfloat16_on_float16_copies_keeps_the_reference_results(process_group, t
 
 
 @needs_fbgemm
-def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tmp_path):
-    """A float32 model loaded from a bfloat16 checkpoint runs its inputs of fewer than `MKL_MIN_ROWS` rows (decode
-    steps, short prompts) on float16 copies of its weights, made at load: its logits stay within 1e-4 of Meta's
-    float32 math and greedy decoding gives Meta's tokens; state_dict() gives the float32 weights. A float32
-    checkpoint whose weights are not bfloat16 values gets no copies: it runs on the float32 weights."""
+def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tmp_path, capsys):
+    """A float32 model loaded from a bfloat16 checkpoint runs every input (decode steps, prompts long or short) on
+    float16 copies of its weights, made at load: its logits stay within 1e-4 of Meta's float32 math and greedy
+    decoding gives Meta's tokens; state_dict() gives the float32 weights. A float32 checkpoint whose weights are not
+    bfloat16 values gets no copies (and no line saying it made them): it runs on the float32 weights."""
     weights = random_weights(GQA_PARAMS, seed=23)  # bfloat16, as Meta ships checkpoints
     fast = load_tiny(tmp_path / "fast", weights, torch.float32)
     layers = [m for m in fast.modules() if isinstance(m, CPULinear)]
     assert layers and all(m.packing == "fp16" and (m.fused or m).packed[1] is not None for m in layers)
+    assert "Made float16 copies of the weights" in capsys.readouterr().out
     # The copy is what runs: a weight below 2**-17 comes out as float16 holds it.
     wo = copy.deepcopy(fast.layers[0].attention.wo)
     tiny = torch.tensor(1e-7).bfloat16().float()
     with torch.no_grad():
         wo.weight[0, 0] = tiny
     with torch.inference_mode():
-        assert wo(torch.eye(GQA_PARAMS["dim"])[:3])[0, 0] == tiny.half().float() != tiny
+        for rows in (3, llama.cpu.MKL_MIN_ROWS):  # a decode step's few rows, and a long prompt's
+            x = torch.eye(GQA_PARAMS["dim"]).repeat(rows // GQA_PARAMS["dim"] + 1, 1)[:rows]
+            assert wo(x)[0, 0] == tiny.half().float() != tiny
     reference = reference_model(tmp_path / "reference", weights, torch.float32)
     assert all(torch.equal(fast.state_dict()[k], v) for k, v in reference.state_dict().items())
 
@@ -314,9 +317,11 @@ def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tm
 
     generator = torch.Generator().manual_seed(24)
     trained = {k: v.float() + 1e-3 * torch.randn(v.shape, generator=generator) for k, v in weights.items()}
+    capsys.readouterr()
     full_precision = load_tiny(tmp_path / "float32 values", trained, torch.float32)
     layers = [m for m in full_precision.modules() if isinstance(m, CPULinear)]
     assert all((m.fused or m).packed[1] is None for m in layers)
+    assert "float16 copies" not in capsys.readouterr().out
     expected = reference_model(tmp_path / "float32 reference", trained, torch.float32)(tokens, 0)
     assert (incremental_logits(full_precision, tokens, [24] + [1] * 8) - expected).abs().max() < ATOL
 
