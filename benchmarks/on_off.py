@@ -13,9 +13,10 @@ The speed-ups:
   (bfloat16; only where bfloat16 runs on float16 copies: x86 CPUs without oneDNN's bfloat16 kernels). Switched
   off, each layer makes its own copy at its first use.
 - float32-copies: a float32 model (from a bfloat16 checkpoint) on float16 copies of its weights (fbgemm's kernels,
-  wq, wk, wv and w1, w3 fused as above) rather than oneDNN's float32 kernels on the weights as loaded. Prompts of
-  512 tokens run on `F.linear` either way.
-- mkl-prompts: float32 inputs of `llama.cpu.MKL_MIN_ROWS` rows or more on `F.linear` (MKL) rather than oneDNN.
+  wq, wk, wv and w1, w3 fused as above) rather than on the weights as loaded: oneDNN's float32 kernels, and
+  MKL's `F.linear` from `llama.cpu.MKL_MIN_ROWS` rows (prompts of 512 tokens).
+- mkl-prompts: float32 inputs of `llama.cpu.MKL_MIN_ROWS` rows or more on `F.linear` (MKL) rather than oneDNN,
+  for weights without float16 copies (the copies are switched off for this one).
   Only prompts of 512 tokens have that many rows here: the other figures show how much the rest moves.
 - matmul-attention: bfloat16 attention of one new position on float32 matmuls (`llama.cpu.one_position_attention`,
   from `MATMUL_ATTENTION_MIN_SCORES` scores on) rather than SDPA's bfloat16 kernel; only where oneDNN has no
@@ -109,6 +110,9 @@ def float32_copies_switch(generator: Llama):
 
 
 def mkl_prompts_switch(generator: Llama):
+    for layer in generator.model.modules():  # MKL_MIN_ROWS routes only weights without float16 copies
+        if isinstance(layer, CPULinear):
+            layer.packing, layer.fused = None, None
     rows = llama.cpu.MKL_MIN_ROWS
 
     def switch(on: bool) -> None:

@@ -110,9 +110,9 @@ class CPULinear(ParallelLinear):
 
     On the AMD EPYC we measure on, `F.linear` reads a weight at about 60% of the memory bandwidth for one row
     of input (a decode step): float32 runs on MKL, and bfloat16 on oneDNN, which first reorders the weight
-    into its blocked layout on every call. Here float32 runs on oneDNN, which reads the weight as loaded at
-    over 80% (and is 2x faster at batch 8) but runs long prompts slower than MKL (`MKL_MIN_ROWS`), and a single
-    bfloat16 row on PyTorch's own matrix-vector product.
+    into its blocked layout on every call. Here float32 without a copy (below) runs on oneDNN, which reads the
+    weight as loaded at over 80% (and is 2x faster at batch 8) but runs long prompts slower than MKL
+    (`MKL_MIN_ROWS`), and a single bfloat16 row on PyTorch's own matrix-vector product.
     A weight can also run on a packed copy, made when the weight is first used and again whenever it has changed
     since (`packing`):
     - "onednn": inputs of several rows (prompts, decode steps of several sequences) run on a copy in oneDNN's
