@@ -186,7 +186,11 @@ def decode_step_bytes(model) -> int:
     each."""
     from llama.cpu import CPULinear
 
-    on_copies = {id(m.weight) for m in model.modules() if isinstance(m, CPULinear) and (m.fused or m).packed}
+    def on_copy(layer) -> bool:  # `packed` is (versions, copy), the copy None where float16 cannot hold the weight
+        packed = (layer.fused or layer).packed
+        return packed is not None and packed[1] is not None
+
+    on_copies = {id(m.weight) for m in model.modules() if isinstance(m, CPULinear) and on_copy(m)}
     weights = {}  # a tied head and the embedding are one parameter
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]  # quantized: buffers
     for name, p in tensors:

@@ -68,10 +68,7 @@ def main() -> None:
 
     reference = build_model(params, state, torch.float32)
     kernels = copy.deepcopy(reference)
-    supported = llama.cpu.fbgemm_fp16_supported
-    llama.cpu.fbgemm_fp16_supported = lambda: False
-    llama.cpu.speed_up_for_cpu(kernels)
-    llama.cpu.fbgemm_fp16_supported = supported
+    llama.cpu.use_cpu_linear_layers(kernels)  # what speed_up_for_cpu does in float32 without copies
     copies = copy.deepcopy(reference)
     llama.cpu.speed_up_for_cpu(copies)
     if not any(m.packing == "fp16" for m in copies.modules() if isinstance(m, llama.cpu.CPULinear)):
