@@ -202,7 +202,9 @@ class FusedProduct:
         weights = [layer.weight for layer in self.layers]
         if self.packed is None or not unchanged(self.packed[0], weights):
             self.packed = None  # free the old copy first
-            self.packed = (with_versions(weights), pack_as_fp16(torch.cat(weights)))
+            # Stacked only where each weight can be copied (a float32 checkpoint's would be stacked for nothing).
+            held = all(holds_bfloat16_values(weight) for weight in weights)
+            self.packed = (with_versions(weights), pack_as_fp16(torch.cat(weights)) if held else None)
         return self.packed[1]
 
     def output(self, layer: "CPULinear", x: torch.Tensor) -> Optional[torch.Tensor]:
