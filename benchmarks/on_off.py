@@ -7,6 +7,7 @@ run.
     python benchmarks/on_off.py float32-copies --shapes d256 d1024 1b --pairs 3
     python benchmarks/on_off.py matmul-attention --shapes d1024 1b --pairs 3
     python benchmarks/on_off.py top-p-head --shapes d256 d1024 1b --pairs 4
+    python benchmarks/on_off.py fp16-call --shapes d256 d512 d1024 --pairs 4
 
 The speed-ups:
 - fused: `llama.cpu.FusedProduct`, wq, wk, wv and w1, w3 each run as one product on one shared float16 copy
@@ -21,6 +22,9 @@ The speed-ups:
 - matmul-attention: bfloat16 attention of one new position on float32 matmuls (`llama.cpu.one_position_attention`,
   from `MATMUL_ATTENTION_MIN_SCORES` scores on) rather than SDPA's bfloat16 kernel; only where oneDNN has no
   bfloat16 kernels (AVX2). Only the decode steps after a long prompt attend over that many positions here.
+- fp16-call: fbgemm's products called with torch functions of tensor subclasses switched off
+  (`llama.cpu.fp16_products`), which skips a failed `__torch_function__` lookup on the packed weight at each call;
+  only where weights run on float16 copies. Switched off, the op is called as it is elsewhere.
 - top-p-head: nucleus sampling ranks only the most likely tokens of each row (`llama.decoding.nucleus_head`) rather
   than sorting the whole vocabulary; only sampled decoding uses it.
 - greedy-numpy: greedy decoding picks the most likely token with numpy's argmax (`llama.decoding.greedy_pick`)
@@ -133,6 +137,20 @@ def matmul_attention_switch(generator: Llama):
     return switch
 
 
+def fp16_call_switch(generator: Llama):
+    if not any(isinstance(m, CPULinear) and m.packing == "fp16" for m in generator.model.modules()):
+        sys.exit("No float16 copies here: they need fbgemm (x86) and memory for them")
+    fp16_products = llama.cpu.fp16_products
+
+    def plain_call(rows, packed):
+        return [torch.ops.quantized.linear_dynamic_fp16(rows, block) for block in packed]
+
+    def switch(on: bool) -> None:
+        llama.cpu.fp16_products = fp16_products if on else plain_call
+
+    return switch
+
+
 def top_p_head_switch(generator: Llama):
     sizes = llama.decoding.NUCLEUS_HEAD_SIZES
 
@@ -152,7 +170,7 @@ def greedy_numpy_switch(generator: Llama):
 SPEEDUPS = {"fused": ("bfloat16", fused_switch), "mkl-prompts": ("float32", mkl_prompts_switch),
             "float32-copies": ("float32", float32_copies_switch),
             "matmul-attention": ("bfloat16", matmul_attention_switch), "top-p-head": ("bfloat16", top_p_head_switch),
-            "greedy-numpy": ("bfloat16", greedy_numpy_switch)}  # fmt: skip
+            "greedy-numpy": ("bfloat16", greedy_numpy_switch), "fp16-call": ("bfloat16", fp16_call_switch)}  # fmt: skip
 
 
 def main() -> None:

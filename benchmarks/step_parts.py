@@ -81,8 +81,7 @@ def main() -> None:
         def products_alone(steps: int) -> None:
             for _ in range(steps):
                 for rows, packed in calls:
-                    for block in packed:
-                        torch.ops.quantized.linear_dynamic_fp16(rows, block)
+                    llama.cpu.fp16_products(rows, packed)
 
         llama.cpu.fp16_linear = recording
         decode(1)

@@ -83,10 +83,21 @@ def pack_as_fp16(weight: torch.Tensor) -> Optional[List[torch.Tensor]]:
     return packed
 
 
+def fp16_products(rows: torch.Tensor, packed: List[torch.Tensor]) -> List[torch.Tensor]:
+    """fbgemm's product of float32 `rows` with each block of a packed float16 weight.
+
+    Called as a `torch.ops` op, each product first looks for `__torch_function__` on its arguments, and on the
+    packed weight (a TorchScript object) that lookup raises an AttributeError in C++ and catches it: some 14 us
+    of a small product's 19 here, over 30 calls a step for a model of 8 layers. With torch functions of tensor
+    subclasses switched off for the call (the activations are plain tensors), the lookup is skipped.
+    """
+    with torch._C.DisableTorchFunctionSubclass():
+        return [torch.ops.quantized.linear_dynamic_fp16(rows, block) for block in packed]
+
+
 def fp16_linear(x: torch.Tensor, packed: List[torch.Tensor]) -> torch.Tensor:
     """`x @ weight.T` on the packed float16 weight: float32 input and sums, the result rounded to `x.dtype`."""
-    rows = x.reshape(-1, x.shape[-1]).float()
-    y = [torch.ops.quantized.linear_dynamic_fp16(rows, block) for block in packed]
+    y = fp16_products(x.reshape(-1, x.shape[-1]).float(), packed)
     y = y[0] if len(y) == 1 else torch.cat(y, dim=-1)
     return y.to(x.dtype).view(*x.shape[:-1], -1)
 
