@@ -13,6 +13,8 @@ each the median of --repeats passes of --steps steps:
 What the whole step takes beyond the products alone and the rest alone is the cost of running the two
 interleaved: among other things, the small operations between products run on caches the streamed weights have
 just flushed. The last timing shows how much of that cost a plain read of the same bytes causes.
+Then the output head's product alone for 1, 2 and 4 rows of input, on all threads and on one, beside a plain
+read of its bytes.
 """
 
 import argparse
@@ -109,6 +111,20 @@ def main() -> None:
         with_reads = timings["all but the products, with reads"]
         print(f"  with plain reads for products: {with_reads:.2f}, reads alone {reads:.2f}; "
               f"interleaving costs {with_reads - reads - rest:.2f}")  # fmt: skip
+        # The largest product (the output head's) for 1, 2 and 4 rows of input: where more rows take about as long
+        # as one, one row's product is bound by the kernel's own work, not by reading the weight.
+        head_row, head = max(calls, key=lambda call: weight_bytes[id(call[1])])
+        threads = torch.get_num_threads()
+        for n_threads in (threads, 1):
+            torch.set_num_threads(n_threads)
+            times = [
+                median_ms(lambda steps: [llama.cpu.fp16_products(rows, head) for _ in range(steps)], 8, args.repeats)
+                for rows in (head_row.expand(n, -1).contiguous() for n in (1, 2, 4))
+            ]
+            read = median_ms(lambda steps: [read_as_many_bytes(head) for _ in range(steps)], 8, args.repeats)
+            print(f"  the head's product on {n_threads} thread(s), ms for 1, 2, 4 rows: "
+                  f"{', '.join(f'{t:.2f}' for t in times)}; a read of its bytes {read:.2f}")  # fmt: skip
+        torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":
