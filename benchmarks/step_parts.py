@@ -14,7 +14,7 @@ What the whole step takes beyond the products alone and the rest alone is the co
 interleaved: among other things, the small operations between products run on caches the streamed weights have
 just flushed. The last timing shows how much of that cost a plain read of the same bytes causes.
 Then the output head's product alone for 1, 2 and 4 rows of input, on all threads and on one, beside a plain
-read of its bytes.
+read of its bytes, and `torch.mv` on its weight in bfloat16 and float16 for one row.
 """
 
 import argparse
@@ -125,6 +125,11 @@ def main() -> None:
             print(f"  the head's product on {n_threads} thread(s), ms for 1, 2, 4 rows: "
                   f"{', '.join(f'{t:.2f}' for t in times)}; a read of its bytes {read:.2f}")  # fmt: skip
         torch.set_num_threads(threads)
+        # PyTorch's own matrix-vector product on the head's 2-byte weight, as loaded and as float16.
+        row = head_row.to(torch.bfloat16)[0]
+        for weight in (model.output.weight, model.output.weight.half()):
+            mv_ms = median_ms(lambda steps: [torch.mv(weight, row.to(weight.dtype)) for _ in range(steps)], 8, 5)
+            print(f"  torch.mv on the head's {weight.dtype} weight, one row: {mv_ms:.2f} ms")
 
 
 if __name__ == "__main__":
