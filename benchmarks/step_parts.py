@@ -126,9 +126,9 @@ def main() -> None:
                   f"{', '.join(f'{t:.2f}' for t in times)}; a read of its bytes {read:.2f}")  # fmt: skip
         torch.set_num_threads(threads)
         # PyTorch's own matrix-vector product on the head's 2-byte weight, as loaded and as float16.
-        row = head_row.to(torch.bfloat16)[0]
         for weight in (model.output.weight, model.output.weight.half()):
-            mv_ms = median_ms(lambda steps: [torch.mv(weight, row.to(weight.dtype)) for _ in range(steps)], 8, 5)
+            row = head_row[0].to(weight.dtype)
+            mv_ms = median_ms(lambda steps: [torch.mv(weight, row) for _ in range(steps)], 8, args.repeats)
             print(f"  torch.mv on the head's {weight.dtype} weight, one row: {mv_ms:.2f} ms")
 
 
