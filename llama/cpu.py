@@ -64,15 +64,17 @@ def holds_bfloat16_values(weight: torch.Tensor) -> bool:
     return int(torch.count_nonzero(low_halves)) == 0
 
 
-def pack_as_fp16(weight: torch.Tensor) -> Optional[List[torch.Tensor]]:
-    """fbgemm's packed float16 copy of `weight`, in blocks of rows, or None where float16 cannot hold it: a value
-    that is not a bfloat16 value (`holds_bfloat16_values`), lies outside float16's range, or is not finite.
+def pack_as_fp16(*weights: torch.Tensor) -> Optional[List[torch.Tensor]]:
+    """fbgemm's packed float16 copy of `weights` stacked by rows (one weight, or the weights of layers that share
+    an input), in blocks of rows, or None where float16 cannot hold them: a value that is not a bfloat16 value
+    (`holds_bfloat16_values`; checked before anything is stacked), lies outside float16's range, or is not finite.
 
     Within that range float16 holds every bfloat16 value exactly, except those below 2**-17 in magnitude, which
     it rounds to a multiple of 2**-24 (float16's subnormals): a change below 3e-8 per weight.
     """
-    if not holds_bfloat16_values(weight):
+    if not all(holds_bfloat16_values(weight) for weight in weights):
         return None
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
     rows = max(1, FP16_BLOCK_VALUES // weight.shape[1])
     packed = []
     for block in weight.detach().split(rows):
@@ -213,9 +215,7 @@ class FusedProduct:
         weights = [layer.weight for layer in self.layers]
         if self.packed is None or not unchanged(self.packed[0], weights):
             self.packed = None  # free the old copy first
-            # Stacked only where each weight can be copied (a float32 checkpoint's would be stacked for nothing).
-            held = all(holds_bfloat16_values(weight) for weight in weights)
-            self.packed = (with_versions(weights), pack_as_fp16(torch.cat(weights)) if held else None)
+            self.packed = (with_versions(weights), pack_as_fp16(*weights))
         return self.packed[1]
 
     def output(self, layer: "CPULinear", x: torch.Tensor) -> Optional[torch.Tensor]:
