@@ -100,11 +100,15 @@ def fused_switch(generator: Llama):
     return switch
 
 
+def require_fp16_copies(layers) -> None:
+    if not any(layer.packing == "fp16" for layer in layers):
+        sys.exit("No float16 copies here: they need fbgemm (x86) and memory for them")
+
+
 def float32_copies_switch(generator: Llama):
     layers = [m for m in generator.model.modules() if isinstance(m, CPULinear)]
+    require_fp16_copies(layers)
     settings = {layer: (layer.packing, layer.fused) for layer in layers}
-    if not any(packing == "fp16" for packing, _ in settings.values()):
-        sys.exit("No float16 copies here: they need fbgemm (x86) and memory for them")
 
     def switch(on: bool) -> None:
         for layer in layers:
@@ -138,8 +142,7 @@ def matmul_attention_switch(generator: Llama):
 
 
 def fp16_call_switch(generator: Llama):
-    if not any(isinstance(m, CPULinear) and m.packing == "fp16" for m in generator.model.modules()):
-        sys.exit("No float16 copies here: they need fbgemm (x86) and memory for them")
+    require_fp16_copies([m for m in generator.model.modules() if isinstance(m, CPULinear)])
     fp16_products = llama.cpu.fp16_products
 
     def plain_call(rows, packed):
