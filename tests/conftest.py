@@ -1,10 +1,18 @@
 """Shared test fixtures. Plain helpers (the tokenizer lookup, checkpoints, reference math) are in helpers.py."""
 
+import os
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from helpers import find_tokenizer_path, make_checkpoint
+from hypothesis import settings
+
+# Property-based tests: a bounded, repeatable run by default; HYPOTHESIS_PROFILE=long searches far wider (random
+# seeds, many more examples) for a fuzzing session.
+settings.register_profile("default", max_examples=60, derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("long", max_examples=5000, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(scope="session")
