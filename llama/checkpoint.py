@@ -23,6 +23,7 @@ import torch
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from llama.cuda_graphs import decode_step_bytes
 from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
 from llama.model import FeedForward, ModelArgs, Transformer
 from llama.quantize import (
@@ -688,13 +689,18 @@ def check_quantize_matches(quantize: Optional[str], saved_scheme: str, ckpt_dir)
 
 
 def check_kv_cache_fits(args: ModelArgs, mp_size: int, device: torch.device, dtype: torch.dtype) -> None:
-    """Raise a ValueError, before anything is allocated, when this process's KV cache cannot fit on `device`."""
+    """Raise a ValueError, before anything is allocated, when this process's KV cache cannot fit on `device`. On
+    CUDA the activations of a decode step at the whole batch count too: a recorded CUDA graph keeps them."""
     elements = 2 * args.n_layers * args.max_batch_size * args.max_seq_len * (args.kv_heads // mp_size) * args.head_dim
     needed = elements * torch.empty(0, dtype=dtype).element_size()
+    what = "The KV cache"
+    if device.type == "cuda":
+        needed += decode_step_bytes(args, mp_size, dtype)
+        what = "The KV cache and a decode step's activations"
     free = free_memory(device)
     if free is not None and needed > free:
         raise ValueError(
-            f"The KV cache for max_seq_len={args.max_seq_len} and max_batch_size={args.max_batch_size} needs "
+            f"{what} for max_seq_len={args.max_seq_len} and max_batch_size={args.max_batch_size} needs "
             f"{needed / 2**30:.1f} GiB on {device}, which has {free / 2**30:.1f} GiB free; lower max_batch_size or "
             "max_seq_len (--max_batch_size, --max_seq_len in the examples)"
         )

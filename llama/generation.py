@@ -6,10 +6,12 @@
 from datetime import timedelta
 from typing import Dict, Iterator, List, Optional, Tuple, TypedDict, Union
 
+import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 
 from llama.checkpoint import load_checkpoint
 from llama.cpu import speed_up_for_cpu
+from llama.cuda_graphs import CUDAGraphDecodeStep, use_cuda_graphs
 from llama.decoding import BatchDecoder, StopReason, StreamChunk, compiled_decode_step
 from llama.model import Transformer
 from llama.parallel_layers import use_parallel_layers
@@ -47,6 +49,7 @@ class Llama:
         timeout: timedelta = DEFAULT_TIMEOUT,
         compile: bool = False,
         quantize: Optional[str] = None,
+        cuda_graphs: bool = True,
     ) -> "Llama":
         """Load a checkpoint and its tokenizer into a generator, in this process's share of the model.
 
@@ -68,6 +71,9 @@ class Llama:
             compile: Decode with a compiled step (torch.compile; CUDA graphs on CUDA), see `compile_decode_step`.
             quantize: "int8" or "int4": the linear layers' weights, quantized as they load (see docs/quantize.md);
                 dtype then defaults to bfloat16 on the CPU too.
+            cuda_graphs: On one CUDA GPU without `compile`, replay each batch size's decode step as a CUDA graph
+                (`llama.cuda_graphs`): the eager step's logits bit for bit, several times faster. False decodes
+                eagerly, as the reference does.
 
         Raises:
             FileNotFoundError: when ckpt_dir, params.json/config.json, a shard or the tokenizer is missing.
@@ -81,6 +87,8 @@ class Llama:
         generator = Llama(use_inference_layers(model), tokenizer)
         if compile:
             generator.compile_decode_step()
+        elif use_cuda_graphs(generator.device, fs_init.get_model_parallel_world_size(), cuda_graphs):
+            generator.decoder.decode_step = CUDAGraphDecodeStep(model)
         return generator
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer):

@@ -228,6 +228,13 @@ class Attention(nn.Module):
         # is masked by the kernel itself (is_causal), which skips the blocks above the diagonal.
         if seqlen == 1 and mask is None and self.one_position_attention is not None:
             output = self.one_position_attention(xq, keys, values)
+        elif seqlen == 1 and mask is not None and self.n_rep > 1:
+            # One new position over the whole cache (decode_step): the kernels that take a mask cannot share kv
+            # heads (with enable_gqa they fall back to copying them n_rep times), so the n_rep query heads of each
+            # kv head attend as n_rep rows of one head instead. The same scores, nothing copied.
+            grouped = xq.reshape(bsz, self.n_local_kv_heads, self.n_rep, self.head_dim)
+            output = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+            output = output.view(bsz, self.n_local_heads, 1, self.head_dim)
         else:
             output = F.scaled_dot_product_attention(
                 xq, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1, enable_gqa=self.n_rep > 1
