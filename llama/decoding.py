@@ -310,9 +310,13 @@ def compiled_decode_step(model: Transformer) -> DecodeStep:
     graph.
     """
     use_parallel_layers(model)
+    on_cuda = model.tok_embeddings.weight.is_cuda
     options = {
-        "triton.cudagraphs": model.tok_embeddings.weight.is_cuda,  # what mode="reduce-overhead" turns on
+        "triton.cudagraphs": on_cuda,  # what mode="reduce-overhead" turns on
         "emulate_precision_casts": True,  # round bf16/fp16 intermediates where the eager path does
+        # One row times a weight is a reduction that reads the weight once; searching its block sizes (seconds
+        # more to compile) brings it to the memory's speed, and lets an int8 weight be widened inside the product.
+        "coordinate_descent_tuning": on_cuda,
     }
     # Compiled without the inference mode that decode_step enters, which torch.compile cannot trace in a graph
     # of inference tensors with views (pytorch/pytorch#180823), and run inside it.

@@ -13,7 +13,8 @@ The same values can be written once, as a quantized checkpoint (`python -m llama
 `SAVED_DTYPE`), and loaded as stored.
 """
 
-from typing import Dict, Optional, Tuple
+import time
+from typing import Callable, Dict, Optional, Tuple
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
@@ -162,12 +163,23 @@ class Int8Linear(QuantizedLinear):
         del self.weight
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales)
+        # Off the CPU, the most rows for which PyTorch's int8 kernel runs the product; beyond them the weight is
+        # widened to the activations' dtype inside it. `choose_int8_kernels` sets it by timing both.
+        self.int8_kernel_rows = 0
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":  # dequantize inside the product; torch.compile fuses the two
-            return F.linear(x, self.weight.to(x.dtype)) * self.scales
+        rows = x.numel() // x.shape[-1]
+        if x.device.type == "cpu" or (rows <= self.int8_kernel_rows and not torch.compiler.is_compiling()):
+            return self.int8_product(x)
+        # Widened inside the product: torch.compile fuses the two into one pass over the int8 weight.
+        return self.widened_product(x)
+
+    def int8_product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         return torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales).view(*x.shape[:-1], -1)
+
+    def widened_product(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(x.dtype)) * self.scales
 
 
 class Int4Linear(QuantizedLinear):
@@ -270,6 +282,60 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
         lambda layer: layer if is_quantized(layer) else quantize_layer(layer, scheme, group_size),
     )
     return model
+
+
+# Row counts at which `choose_int8_kernels` times the two int8 products: a decode step's, a batch's, a prompt's.
+TIMED_ROWS = (1, 8, 256)
+
+
+def choose_int8_kernels(model: nn.Module, repeats: int = 20) -> Dict[Tuple[int, int], int]:
+    """On a GPU, time each int8 weight shape's product both ways (PyTorch's int8 kernel, and the weight widened
+    inside `F.linear`) at each of `TIMED_ROWS`, and run eager products of up to the most rows at which the int8
+    kernel was faster (and at every smaller count timed) on it; returns that row count per (out, in) shape.
+
+    The two give the same products up to the order of float32 sums. Their speed depends on the GPU and on the
+    PyTorch build (an int8 kernel that reads the weight once can beat bfloat16; one that reads it badly is slower
+    than widening it), so it is measured rather than assumed. Compiled steps always widen: torch.compile fuses it.
+    """
+    choices: Dict[Tuple[int, int], int] = {}
+    for layer in model.modules():
+        if not isinstance(layer, Int8Linear) or layer.weight.device.type == "cpu":
+            continue
+        shape = tuple(layer.weight.shape)
+        if shape not in choices:
+            choices[shape] = 0
+            for rows in TIMED_ROWS:
+                x = torch.randn(rows, shape[1], device=layer.weight.device, dtype=layer.scales.dtype)
+                if fastest({"int8": layer.int8_product, "widened": layer.widened_product}, x, repeats) != "int8":
+                    break
+                choices[shape] = rows
+        layer.int8_kernel_rows = choices[shape]
+    return choices
+
+
+def fastest(products: Dict[str, Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, repeats: int) -> str:
+    """The name of the product that runs `x` fastest (the median of `repeats` timed calls, after one untimed);
+    one that raises (no such kernel on this device or build) is out of the running."""
+    times = {}
+    for name, product in products.items():
+        try:
+            product(x)
+        except (RuntimeError, NotImplementedError):
+            continue
+        samples = []
+        for _ in range(repeats):
+            synchronize(x.device)
+            start = time.perf_counter()
+            product(x)
+            synchronize(x.device)
+            samples.append(time.perf_counter() - start)
+        times[name] = sorted(samples)[len(samples) // 2]
+    return min(times, key=times.get)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def is_quantized(layer: nn.Module) -> bool:
