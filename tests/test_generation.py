@@ -357,7 +357,7 @@ def test_default_max_gen_len_fills_the_context(tiny_llama):
 @pytest.mark.slow
 def test_seeded_builds_sample_the_same_tokens(tiny_checkpoint, tokenizer_path, process_group):
     def sample(seed):
-        g = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=64, max_batch_size=4, seed=seed)
+        g = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=64, max_batch_size=4, seed=seed, device="cpu")
         return g.text_completion(TEXTS[:2], max_gen_len=4, temperature=1.0, top_p=0.9)
 
     first = sample(7)

@@ -5,14 +5,15 @@ import shutil
 
 import pytest
 import torch
-import transformers
-from helpers import TINY_PARAMS, make_checkpoint
+from helpers import TINY_PARAMS, import_or_skip, make_checkpoint
 
 from llama import Llama
 from llama.checkpoint import load_model, model_args_from, open_checkpoint
 from llama.convert import main as convert_main
 from llama.convert import meta_to_hf, read_full
 from llama.model import FeedForward
+
+transformers = import_or_skip("transformers", 'pip install -e ".[test]"')
 
 # Non-GQA (every query head has its own kv head) next to the GQA TINY_PARAMS.
 MHA_PARAMS = dict(TINY_PARAMS, n_kv_heads=None, ffn_dim_multiplier=1.3, multiple_of=16)

@@ -39,7 +39,9 @@ def test_building_on_the_meta_device_leaves_other_threads_alone(process_group):
 
 
 def test_decoding_never_flips_global_backend_flags(tiny_checkpoint, tokenizer_path, process_group, monkeypatch):
-    generator = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=32, max_batch_size=2, dtype="bfloat16")
+    generator = Llama.build(
+        str(tiny_checkpoint), tokenizer_path, max_seq_len=32, max_batch_size=2, device="cpu", dtype="bfloat16"
+    )
     calls = []
     enabled = type(torch.backends.mkldnn).__dict__["enabled"]  # what `torch.backends.mkldnn.enabled = x` runs
     monkeypatch.setattr(enabled, "setter", calls.append)
@@ -57,7 +59,7 @@ def test_only_the_first_process_prints_and_stdout_stays(tiny_checkpoint, tokeniz
         monkeypatch.setattr(llama.cpu, "global_rank", lambda rank=rank: rank)  # its float16 copies' line
         captured = io.StringIO()
         monkeypatch.setattr(sys, "stdout", captured)
-        Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=16, max_batch_size=1)
+        Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=16, max_batch_size=1, device="cpu")
         assert sys.stdout is captured  # not replaced by the library
         printed[rank] = captured.getvalue()
     monkeypatch.undo()

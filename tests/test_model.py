@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import ATOL, GQA_PARAMS, causal_mask, incremental_logits, reference_attention
+from helpers import ATOL, GQA_PARAMS, causal_mask, import_or_skip, incremental_logits, reference_attention
 
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
 from llama.demo import random_weights
@@ -24,7 +24,7 @@ from llama.model import (
     precompute_freqs_cis,
 )
 
-transformers = pytest.importorskip("transformers")
+transformers = import_or_skip("transformers", 'pip install -e ".[test]"')
 
 MHA_PARAMS = {  # one kv head per query head, and a width multiplier as in Llama 3 8B/70B
     **GQA_PARAMS,

@@ -128,7 +128,9 @@ def test_quantize_model_on_a_model_built_the_reference_way(process_group, tmp_pa
 
 
 def test_build_quantizes_and_defaults_to_bfloat16_on_cpu(tiny_checkpoint, tokenizer_path, process_group):
-    generator = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=32, max_batch_size=1, quantize="int8")
+    generator = Llama.build(
+        str(tiny_checkpoint), tokenizer_path, max_seq_len=32, max_batch_size=1, device="cpu", quantize="int8"
+    )
     model = generator.model
     assert model.tok_embeddings.weight.dtype == torch.bfloat16
     assert model.layers[0].attention.wq.weight.dtype == torch.int8
