@@ -18,6 +18,7 @@ def main(
     device: str = None,
     dtype: str = None,
     compile: bool = False,
+    cuda_graphs: bool = True,
     quantize: str = None,
     interactive: bool = False,
     system_prompt: str = None,
@@ -45,6 +46,8 @@ def main(
         dtype: "bfloat16", "float16" or "float32"; by default bfloat16 on CUDA and float32 on the CPU.
         compile: Decode with torch.compile (plus CUDA graphs on CUDA); the first steps are slow while it
             compiles, so it pays off on CUDA for longer runs.
+        cuda_graphs: On one GPU, replay each decode step as a CUDA graph, one launch instead of hundreds (the default;
+            the eager step's logits); --nocuda_graphs decodes eagerly.
         interactive: Skip the sample dialogs and chat with the model in the terminal.
         system_prompt: With --interactive, a system message that opens the conversation.
         quantize: "int8" or "int4": keep the linear layers' weights in 8 or 4 bits, quantized as they load;
@@ -63,6 +66,7 @@ def main(
         device=device,
         dtype=dtype,
         compile=compile,
+        cuda_graphs=cuda_graphs,
         quantize=quantize,
     )
     if interactive:

@@ -17,6 +17,7 @@ def main(
     device: str = None,
     dtype: str = None,
     compile: bool = False,
+    cuda_graphs: bool = True,
     quantize: str = None,
 ):
     """Continues four prompts with a pretrained (not chat-tuned) Llama and prints each with its continuation.
@@ -41,6 +42,8 @@ def main(
         dtype: "bfloat16", "float16" or "float32"; by default bfloat16 on CUDA and float32 on the CPU.
         compile: Decode with torch.compile (plus CUDA graphs on CUDA); the first steps are slow while it
             compiles, so it pays off on CUDA for longer runs.
+        cuda_graphs: On one GPU, replay each decode step as a CUDA graph, one launch instead of hundreds (the default;
+            the eager step's logits); --nocuda_graphs decodes eagerly.
         quantize: "int8" or "int4": keep the linear layers' weights in 8 or 4 bits, quantized as they load;
             about 2x or 4x less memory than bfloat16 and faster decoding. On the CPU, dtype then defaults to bfloat16.
     """
@@ -57,6 +60,7 @@ def main(
         device=device,
         dtype=dtype,
         compile=compile,
+        cuda_graphs=cuda_graphs,
         quantize=quantize,
     )
 

@@ -73,8 +73,8 @@ class Llama:
             quantize: "int8" or "int4": the linear layers' weights, quantized as they load (see docs/quantize.md);
                 dtype then defaults to bfloat16 on the CPU too.
             cuda_graphs: On one CUDA GPU without `compile`, replay each batch size's decode step as a CUDA graph
-                (`llama.cuda_graphs`): the eager step's logits bit for bit, several times faster. False decodes
-                eagerly, as the reference does.
+                (`llama.cuda_graphs`): the eager step's logits bit for bit, one launch instead of hundreds. False
+                decodes eagerly, as the reference does.
 
         Raises:
             FileNotFoundError: when ckpt_dir, params.json/config.json, a shard or the tokenizer is missing.
