@@ -133,9 +133,9 @@ def unchanged(recorded: list, weights: List[torch.Tensor]) -> bool:
 KERNELS = ("fp16", "onednn", "mv", "linear")
 KERNEL_VARIABLE = "LLAMA_CPU_KERNEL"  # pins one kernel for every product it can run: for tests and bisecting
 PROMPT_ROWS = 256  # the row count a prompt is measured at; inputs of more rows than the batch use its choice
-DECODE_SAMPLE_VALUES = FP16_BLOCK_VALUES  # one row and the batch: timed on up to this many weights of a product
+DECODE_SAMPLE_VALUES = 2**22  # one row and the batch: timed on up to this many weights of a product (from memory)
 PROMPT_SAMPLE_VALUES = 2**20  # a prompt: fewer, since it is bound by arithmetic rather than by reading the weight
-TIMED_ROUNDS = 3  # after a warm-up round; each kernel keeps its best round
+TIMED_ROUNDS = 2  # after a warm-up round; each kernel keeps its best round
 
 
 def candidate_kernels(dtype: torch.dtype, rows: int, fp16_holds: bool, copies: bool) -> List[str]:
@@ -191,19 +191,20 @@ def last_level_cache_bytes() -> int:
     return min(max(sizes, default=32 * 2**20), 512 * 2**20)
 
 
-def time_kernels(runs: Dict[str, Callable[[], object]], flush: Callable[[], object]) -> Dict[str, float]:
+def time_kernels(runs: Dict[str, Callable[[], object]], flush: Optional[Callable[[], object]]) -> Dict[str, float]:
     """Each kernel's best time in seconds over `TIMED_ROUNDS` rounds, after a warm-up round (where oneDNN builds
     its primitives and mapped weights are read in). The kernels take turns within a round, so that a slow spell
-    of a shared machine falls on all of them; before each call `flush` evicts the caches, since in a decode step
-    each weight comes from memory, the rest of the model having been read since. A kernel more than twice as slow
-    as the best after a round is not timed again."""
+    of a shared machine falls on all of them; before each call `flush` (if any) evicts the caches, since in a
+    decode step each weight comes from memory, the rest of the model having been read since. A kernel more than
+    twice as slow as the best after a round is not timed again."""
     for run in runs.values():
         run()
     best = dict.fromkeys(runs, math.inf)
     timed = list(runs)
     for _ in range(TIMED_ROUNDS):
         for kernel in timed:
-            flush()
+            if flush is not None:
+                flush()
             start = time.perf_counter()
             runs[kernel]()
             best[kernel] = min(best[kernel], time.perf_counter() - start)
@@ -443,7 +444,7 @@ def row_counts(max_batch_size: int) -> List[int]:
 
 def weight_sample(layers: List[CPULinear], max_values: int) -> List[torch.Tensor]:
     """Each layer's weight, or where the product holds more than `max_values` weights, its first rows, in
-    proportion: for one layer, the rows of the first block of its float16 copy when `max_values` is a block's."""
+    proportion."""
     total = sum(layer.weight.numel() for layer in layers)
     if total <= max_values:
         return [layer.weight.detach() for layer in layers]
@@ -452,18 +453,18 @@ def weight_sample(layers: List[CPULinear], max_values: int) -> List[torch.Tensor
 
 def measure(layers: List[CPULinear], rows: int, candidates: List[str], flush) -> Dict[str, float]:
     """The best seconds of each candidate kernel for `rows` rows through the product of `layers` (`time_kernels`),
-    on a sample of its weights (`weight_sample`). The float16 copy of one row's and the batch's sample is the
-    first block of the product's own copy, which is made here and kept if "fp16" is chosen."""
-    sample_values = DECODE_SAMPLE_VALUES if rows < PROMPT_ROWS else PROMPT_SAMPLE_VALUES
-    weights = weight_sample(layers, sample_values)
+    on a sample of its weights (`weight_sample`), with the copies the kernels need made of the sample alone. One
+    row and the batch are timed with the caches flushed before each call (as a decode step meets its weights);
+    a prompt, bound by arithmetic, without."""
+    decode = rows < PROMPT_ROWS
+    weights = weight_sample(layers, DECODE_SAMPLE_VALUES if decode else PROMPT_SAMPLE_VALUES)
     x = torch.randn(rows, weights[0].shape[1], generator=torch.Generator().manual_seed(0)).to(weights[0].dtype)
     runs = {}
     for kernel in candidates:
-        if kernel == "fp16":
-            owner = layers[0].fused or layers[0]
-            copy = owner.packed_copy("fp16") if sample_values == FP16_BLOCK_VALUES else pack_as_fp16(*weights)
+        if kernel == "fp16":  # one product of the stacked weights, as a fused group runs
+            copy = pack_as_fp16(*weights)
             if copy is not None:
-                runs[kernel] = lambda copy=copy[:1]: fp16_linear(x, copy)
+                runs[kernel] = lambda copy=copy: fp16_linear(x, copy)
             continue
         packed = [None] * len(weights)
         if kernel == "onednn" and weights[0].dtype != torch.float32:
@@ -471,7 +472,7 @@ def measure(layers: List[CPULinear], rows: int, candidates: List[str], flush) ->
         runs[kernel] = lambda kernel=kernel, packed=packed: [
             run_kernel(kernel, x, weight, copy) for weight, copy in zip(weights, packed)
         ]
-    return time_kernels(runs, flush)
+    return time_kernels(runs, flush if decode else None)
 
 
 def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
@@ -510,8 +511,6 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
                         )
                     chosen[name][rows] = kernel
                     logger.info("CPU kernel for %s, %d rows: %s (%s)", name, rows, kernel, how)
-                if "fp16" not in chosen[name].values():
-                    (layers[0].fused or layers[0]).packed.clear()  # a copy made to time it
             for layer in layers:
                 layer.kernels = dict(chosen[name])
     cache.save()
