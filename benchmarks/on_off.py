@@ -3,22 +3,18 @@ run.
 
     python benchmarks/on_off.py fused                          # d256 and d1024, 6 pairs of runs
     python benchmarks/on_off.py fused --shapes 1b --pairs 4
-    python benchmarks/on_off.py mkl-prompts --shapes d1024 1b
-    python benchmarks/on_off.py float32-copies --shapes d256 d1024 1b --pairs 3
+    python benchmarks/on_off.py measured-kernels --dtype float32 --against onednn --shapes d256 1b --pairs 3
     python benchmarks/on_off.py matmul-attention --shapes d1024 1b --pairs 3
     python benchmarks/on_off.py top-p-head --shapes d256 d1024 1b --pairs 4
     python benchmarks/on_off.py fp16-call --shapes d256 d512 d1024 --pairs 4
 
 The speed-ups:
 - fused: `llama.cpu.FusedProduct`, wq, wk, wv and w1, w3 each run as one product on one shared float16 copy
-  (bfloat16; only where bfloat16 runs on float16 copies: x86 CPUs without oneDNN's bfloat16 kernels). Switched
+  (only where products run on float16 copies: where that kernel measured fastest, or LLAMA_CPU_KERNEL=fp16). Switched
   off, each layer makes its own copy at its first use.
-- float32-copies: a float32 model (from a bfloat16 checkpoint) on float16 copies of its weights (fbgemm's kernels,
-  wq, wk, wv and w1, w3 fused as above) rather than on the weights as loaded: oneDNN's float32 kernels, and
-  MKL's `F.linear` from `llama.cpu.MKL_MIN_ROWS` rows (prompts of 512 tokens).
-- mkl-prompts: float32 inputs of `llama.cpu.MKL_MIN_ROWS` rows or more on `F.linear` (MKL) rather than oneDNN,
-  for weights without float16 copies (the copies are switched off for this one).
-  Only prompts of 512 tokens have that many rows here: the other figures show how much the rest moves.
+- measured-kernels: each product on the kernels measured at load (`llama.cpu.choose_kernels`) rather than all
+  on the `--against` kernel (default `F.linear`, what transformers runs; where that kernel cannot run a product,
+  `F.linear`).
 - matmul-attention: bfloat16 attention of one new position on float32 matmuls (`llama.cpu.one_position_attention`,
   from `MATMUL_ATTENTION_MIN_SCORES` scores on) rather than SDPA's bfloat16 kernel; only where oneDNN has no
   bfloat16 kernels (AVX2). Only the decode steps after a long prompt attend over that many positions here.
@@ -90,8 +86,7 @@ def fused_switch(generator: Llama):
     layers = [m for m in generator.model.modules() if isinstance(m, CPULinear)]
     groups = {layer: layer.fused for layer in layers}
     if not any(groups.values()):
-        sys.exit("No fused products here: bfloat16 runs on float16 copies only on x86 CPUs without oneDNN's "
-                 "bfloat16 kernels (AVX2)")  # fmt: skip
+        sys.exit("No fused products here: they need float16 copies (fbgemm, x86)")
 
     def switch(on: bool) -> None:
         for layer in layers:
@@ -101,30 +96,28 @@ def fused_switch(generator: Llama):
 
 
 def require_fp16_copies(layers) -> None:
-    if not any(layer.packing == "fp16" for layer in layers):
-        sys.exit("No float16 copies here: they need fbgemm (x86) and memory for them")
+    if not any("fp16" in layer.kernels.values() for layer in layers):
+        sys.exit("No float16 copies here: they need fbgemm (x86), memory for them, and to measure fastest "
+                 "(or LLAMA_CPU_KERNEL=fp16)")  # fmt: skip
 
 
-def float32_copies_switch(generator: Llama):
+def measured_kernels_switch(generator: Llama, against: str):
+    """On: the kernels measured at load (`llama.cpu.choose_kernels`); off: every product on `against`."""
     layers = [m for m in generator.model.modules() if isinstance(m, CPULinear)]
-    require_fp16_copies(layers)
-    settings = {layer: (layer.packing, layer.fused) for layer in layers}
+    measured = {layer: layer.kernels for layer in layers}
+    pinned = {}
+    for layer in layers:
+        fp16_holds = llama.cpu.holds_bfloat16_values(layer.weight)
+        pinned[layer] = {
+            rows: against
+            if against in llama.cpu.candidate_kernels(layer.weight.dtype, rows, fp16_holds, True)
+            else "linear"
+            for rows in layer.kernels
+        }
 
     def switch(on: bool) -> None:
         for layer in layers:
-            layer.packing, layer.fused = settings[layer] if on else (None, None)
-
-    return switch
-
-
-def mkl_prompts_switch(generator: Llama):
-    for layer in generator.model.modules():  # MKL_MIN_ROWS routes only weights without float16 copies
-        if isinstance(layer, CPULinear):
-            layer.packing, layer.fused = None, None
-    rows = llama.cpu.MKL_MIN_ROWS
-
-    def switch(on: bool) -> None:
-        llama.cpu.MKL_MIN_ROWS = rows if on else sys.maxsize
+            layer.kernels = measured[layer] if on else pinned[layer]
 
     return switch
 
@@ -170,8 +163,7 @@ def greedy_numpy_switch(generator: Llama):
     return switch
 
 
-SPEEDUPS = {"fused": ("bfloat16", fused_switch), "mkl-prompts": ("float32", mkl_prompts_switch),
-            "float32-copies": ("float32", float32_copies_switch),
+SPEEDUPS = {"fused": ("bfloat16", fused_switch), "measured-kernels": ("bfloat16", measured_kernels_switch),
             "matmul-attention": ("bfloat16", matmul_attention_switch), "top-p-head": ("bfloat16", top_p_head_switch),
             "greedy-numpy": ("bfloat16", greedy_numpy_switch), "fp16-call": ("bfloat16", fp16_call_switch)}  # fmt: skip
 
@@ -182,9 +174,14 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["d256", "d1024"])
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=16, help="batch-1 decode steps per run (batch 8: half)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the speed-up's own")
+    parser.add_argument("--against", choices=llama.cpu.KERNELS, default="linear", help="measured-kernels: off is this")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "llama-bench")
     args = parser.parse_args()
     dtype, make_switch = SPEEDUPS[args.speedup]
+    dtype = args.dtype or dtype
+    if args.speedup == "measured-kernels":
+        make_switch = functools.partial(make_switch, against=args.against)
     for shape in args.shapes:
         checkpoint = meta_checkpoint(shape, args.workdir, default_tokenizer(), "cpu")
         generator = Llama.build(str(checkpoint), max_seq_len=1024, max_batch_size=8, device="cpu", dtype=dtype)

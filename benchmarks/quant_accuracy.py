@@ -151,17 +151,30 @@ def build_model(params: dict, state: Dict[str, torch.Tensor], dtype=torch.bfloat
     return model.eval()
 
 
-def perplexity(model, tokens: List[int], window: int = WINDOW) -> float:
-    """exp(mean cross-entropy of each token after the first, given all tokens before it in its window).
-
-    Windows overlap by one token, so that every token after the first is predicted exactly once."""
-    total, count = 0.0, 0
+def next_token_logprobs(model, tokens: List[int], window: int = WINDOW) -> torch.Tensor:
+    """(len(tokens) - 1, vocab) float32 log-probabilities of each token after the first, given all tokens before it
+    in its window (teacher-forced). Windows overlap by one token, so that every token after the first is predicted
+    exactly once."""
+    rows = []
     for start in range(0, len(tokens) - 1, window - 1):
         chunk = torch.tensor([tokens[start : start + window]])
-        logits = model.forward(chunk, 0)[0, :-1]
-        total += F.cross_entropy(logits.float(), chunk[0, 1:], reduction="sum").item()
-        count += chunk.shape[1] - 1
-    return math.exp(total / count)
+        rows.append(F.log_softmax(model.forward(chunk, 0)[0, :-1].float(), dim=-1))
+    return torch.cat(rows)
+
+
+def perplexity(logprobs: torch.Tensor, tokens: List[int]) -> float:
+    """exp(mean cross-entropy of each token after the first), from `next_token_logprobs`."""
+    return math.exp(-logprobs.gather(1, torch.tensor(tokens[1:])[:, None]).mean().item())
+
+
+def agreement(logprobs: torch.Tensor, base: torch.Tensor) -> float:
+    """The share of positions where both give the same most likely next token (teacher-forced top-1 agreement)."""
+    return (logprobs.argmax(-1) == base.argmax(-1)).float().mean().item()
+
+
+def kl_divergence(logprobs: torch.Tensor, base: torch.Tensor) -> float:
+    """Mean KL(base || logprobs) in nats over the positions: how far the next-token distributions moved."""
+    return (base.exp() * (base - logprobs)).sum(-1).mean().item()
 
 
 def chat_prompt(tokenizer, question: str) -> List[int]:
@@ -207,16 +220,21 @@ def linear_bytes(model) -> int:
     return quantized + sum(m.weight.numel() * m.weight.element_size() for m in linears if m.weight is not None)
 
 
-def evaluate(params, state, tokenizer, text_tokens, scheme: str, group_size: Optional[int] = None) -> dict:
-    """Perplexity, greedy answers, linear-layer bytes and seconds for one scheme ("float32", "bfloat16", "int8",
-    "int4"; the float32 model has the same weights as the bfloat16 one, and computes in float32)."""
+def evaluate(
+    params, state, tokenizer, text_tokens, scheme: str, group_size: Optional[int] = None, with_answers: bool = True
+) -> dict:
+    """Perplexity, the next-token log-probabilities over the text, greedy answers (unless not `with_answers`),
+    linear-layer bytes and seconds for one scheme ("float32", "bfloat16", "int8", "int4"; the float32 model has the
+    same weights as the bfloat16 one, and computes in float32)."""
     from llama.quantize import quantize_model
 
     start = time.time()
     model = build_model(params, state, torch.float32 if scheme == "float32" else torch.bfloat16)
     if scheme in ("int8", "int4"):
         quantize_model(model, scheme, group_size)
-    result = {"scheme": scheme, "ppl": perplexity(model, text_tokens), "answers": answers(model, tokenizer)}
+    logprobs = next_token_logprobs(model, text_tokens)
+    result = {"scheme": scheme, "ppl": perplexity(logprobs, text_tokens), "logprobs": logprobs}
+    result["answers"] = answers(model, tokenizer) if with_answers else None
     result.update(bytes=linear_bytes(model), seconds=time.time() - start)
     return result
 
@@ -242,7 +260,8 @@ def main() -> None:
     schemes = ("bfloat16", "float32", "int8", "int4")
     results = [evaluate(params, state, tokenizer, text_tokens, s, args.group_size) for s in schemes]
     base = results[0]
-    print(f"\n{'scheme':<10} {'ppl':>8} {'vs bf16':>8} {'same answers':>13} {'first diff':>10} {'MiB':>7} {'s':>6}")
+    header = f"{'scheme':<10} {'ppl':>8} {'vs bf16':>8} {'top-1 agree':>11} {'KL nats':>8} {'same answers':>13}"
+    print(f"\n{header} {'first diff':>10} {'MiB':>7} {'s':>6}")
     verdicts = []
     for r in results:
         diffs = [first_difference(a, b) for a, b in zip(r["answers"], base["answers"])]
@@ -251,7 +270,8 @@ def main() -> None:
         change = r["ppl"] / base["ppl"] - 1
         name = r["scheme"] + (f"/g{args.group_size}" if r["scheme"] == "int4" else "")
         print(
-            f"{name:<10} {r['ppl']:>8.3f} {change:>+8.2%} {f'{same}/{len(diffs)}':>13} {first!s:>10} "
+            f"{name:<10} {r['ppl']:>8.3f} {change:>+8.2%} {agreement(r['logprobs'], base['logprobs']):>11.2%} "
+            f"{kl_divergence(r['logprobs'], base['logprobs']):>8.4f} {f'{same}/{len(diffs)}':>13} {first!s:>10} "
             f"{r['bytes'] / 2**20:>7.1f} {r['seconds']:>6.1f}"
         )
         if r["scheme"] in TARGETS:

@@ -5,8 +5,8 @@
 
 For each shape it makes every weight a decode step multiplies by (q, k, v, o and the three feed-forward weights of
 each layer, then the output head), random, in four forms: bfloat16 on PyTorch's matrix-vector product
-(`llama.cpu.CPULinear` without packing), bfloat16 on a float16 copy (`CPULinear(packing="fp16")`, what a
-bfloat16 model runs on where oneDNN has no bfloat16 kernels; x86 only), and the int8 and int4 layers
+(`llama.cpu.CPULinear` on "mv"), bfloat16 on a float16 copy (`CPULinear` on "fp16", which a bfloat16 model runs
+where it measures fastest; x86 only), and the int8 and int4 layers
 `llama.quantize` makes. It then times one bfloat16 row through all of them in a step's order, as a step reads
 them (from memory, not from cache), and the head alone. The ratio of the step times is the most a form can speed
 up a decode step of that shape over the plain bfloat16 product, however small everything else in the step
@@ -48,9 +48,9 @@ def make_layer(form: str, weight: torch.Tensor):
     layer = ColumnParallelLinear(in_features, out_features, bias=False, gather_output=False, init_method=id)
     layer.weight = torch.nn.Parameter(weight, requires_grad=False)
     if form == "bfloat16":
-        return CPULinear(layer)
+        return CPULinear(layer, {1: "mv"})
     if form == "float16 copy":
-        return CPULinear(layer, packing="fp16")  # the copy is made at the first, untimed, call
+        return CPULinear(layer, {1: "fp16"})  # the copy is made at the first, untimed, call
     return quantize_layer(layer, form)
 
 

@@ -54,8 +54,8 @@ def main() -> None:
         checkpoint = meta_checkpoint(shape, args.workdir, default_tokenizer(), "cpu")
         generator = Llama.build(str(checkpoint), max_seq_len=256, max_batch_size=1, device="cpu", dtype="bfloat16")
         model, token = generator.model, torch.tensor([DECODE_PROMPT[-1:]])
-        if not any(isinstance(m, llama.cpu.CPULinear) and m.packing == "fp16" for m in model.modules()):
-            sys.exit("bfloat16 runs on float16 copies only on x86 CPUs without oneDNN's bfloat16 kernels (AVX2)")
+        if not any(isinstance(m, llama.cpu.CPULinear) and m.kernel_for(1) == "fp16" for m in model.modules()):
+            sys.exit("One row runs on float16 copies only where that kernel measured fastest: LLAMA_CPU_KERNEL=fp16")
         model.forward(torch.tensor([DECODE_PROMPT]), 0)
 
         def decode(steps: int) -> None:

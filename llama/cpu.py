@@ -1,16 +1,28 @@
-"""CPU speed-up, applied at load: each linear layer's matmul on the CPU kernel that runs it fastest.
+"""CPU speed-up, applied at load: each linear layer's product on the kernel that runs it fastest on this CPU.
 
-It keeps the reference math: only the order in which products are summed changes, and on float16 copies of
-weights that hold bfloat16 values (`pack_as_fp16`: bfloat16 weights, or float32 ones from a bfloat16 checkpoint)
-the smallest weights round by less than 3e-8. Tests hold logits within 1e-4 of the reference math in float32 and
-greedy tokens equal. Figures: `benchmarks/bench.py`.
+Which kernel is fastest depends on the CPU (AVX2 or AVX-512, bfloat16 instructions or not), the torch build, the
+shape and the number of rows, so it is measured here rather than guessed from CPU flags: at load, for each product
+shape and the row counts that matter (one row, the batch, a prompt), the kernels that keep the math
+(`candidate_kernels`) are timed (`time_kernels`) and the fastest is kept; the choice is cached per CPU, torch
+version and shape (`KernelCache`), so a later load does not measure again. `LLAMA_CPU_KERNEL` pins one kernel.
+
+Every kernel keeps the reference math: only the order in which the float32 products are summed changes, and on
+float16 copies of weights that hold bfloat16 values (`pack_as_fp16`: bfloat16 weights, or float32 ones from a
+bfloat16 checkpoint) the smallest weights round by less than 3e-8. Tests hold logits within 1e-4 of the reference
+math in float32 and greedy tokens equal. Figures: `benchmarks/bench.py`, docs/speed.md.
 """
 
+import json
+import logging
 import math
+import os
+import platform
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -19,6 +31,8 @@ from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallel
 
 from llama.distributed import available_memory, global_rank
 from llama.parallel_layers import ParallelLinear, replace_layers
+
+logger = logging.getLogger(__name__)
 
 
 def onednn_supported(device: torch.device) -> bool:
@@ -45,10 +59,6 @@ def fbgemm_fp16_supported() -> bool:
     )
 
 
-# From this many rows (a long prompt), float32 without a float16 copy runs on `F.linear` (MKL's GEMM), faster there
-# than oneDNN on the weight as loaded (prompts of 512 tokens 1.05x to 1.12x: benchmarks/on_off.py mkl-prompts);
-# about even at 128.
-MKL_MIN_ROWS = 128
 FP16_MAX = torch.finfo(torch.float16).max
 FP16_BLOCK_VALUES = 2**24  # fbgemm packs blocks of this size 3-4x faster than a 128256-row head whole
 
@@ -118,111 +128,264 @@ def unchanged(recorded: list, weights: List[torch.Tensor]) -> bool:
     return all(weight is old and weight._version == version for weight, (old, version) in zip(weights, recorded))
 
 
-class CPULinear(ParallelLinear):
-    """A fairscale `ColumnParallelLinear` or `RowParallelLinear` whose matmul runs on the fastest CPU kernel.
+# The kernels a product can run on. Each computes `x @ weight.T` with float32 products summed in float32 (the
+# result rounded to the input's dtype, as `F.linear` rounds it); they differ in the order of the sums only.
+KERNELS = ("fp16", "onednn", "mv", "linear")
+KERNEL_VARIABLE = "LLAMA_CPU_KERNEL"  # pins one kernel for every product it can run: for tests and bisecting
+PROMPT_ROWS = 256  # the row count a prompt is measured at; inputs of more rows than the batch use its choice
+DECODE_SAMPLE_VALUES = 2**22  # one row and the batch: timed on up to this many weights of a product (from memory)
+PROMPT_SAMPLE_VALUES = 2**20  # a prompt: fewer, since it is bound by arithmetic rather than by reading the weight
+TIMED_ROUNDS = 2  # after a warm-up round; each kernel keeps its best round
 
-    On the AMD EPYC we measure on, `F.linear` reads a weight at about 60% of the memory bandwidth for one row
-    of input (a decode step): float32 runs on MKL, and bfloat16 on oneDNN, which first reorders the weight
-    into its blocked layout on every call. Here float32 without a copy (below) runs on oneDNN, which reads the
-    weight as loaded at over 80% (and is 2x faster at batch 8) but runs long prompts slower than MKL
-    (`MKL_MIN_ROWS`), and a single bfloat16 row on PyTorch's own matrix-vector product.
-    A weight can also run on a packed copy, made when the weight is first used and again whenever it has changed
-    since (`packing`):
-    - "onednn": inputs of several rows (prompts, decode steps of several sequences) run on a copy in oneDNN's
-      blocked layout, the same kernel as `F.linear` (bit-identical results) without the reorder on every call.
-      It needs oneDNN's bfloat16 kernels (AVX-512 and later).
-    - "fp16": inputs run on fbgemm's packed float16 copy (`pack_as_fp16`), in float32 arithmetic: every input
-      of a bfloat16 weight, where oneDNN has no bfloat16 kernels (AVX2) and PyTorch widens each bfloat16 weight
-      in a slow loop (one row at half the memory bandwidth, several rows 5 to 8 times slower than on the copy);
-      and every input of a float32 weight that holds bfloat16 values (a bfloat16 checkpoint loaded in float32),
-      which the copy holds in half the bytes: decode steps read half as much, and long prompts run faster than
-      on MKL.
-    The forward is fairscale's with that matmul in place of `F.linear` (`ParallelLinear`); the weight is the
-    same parameter, so it can be edited or tied as usual.
+
+def candidate_kernels(dtype: torch.dtype, rows: int, fp16_holds: bool, copies: bool) -> List[str]:
+    """The kernels that keep the reference math for a product of `rows` rows with weights of `dtype` here.
+
+    `fp16_holds`: float16 holds the weights exactly (`holds_bfloat16_values`); `copies`: memory allows a second
+    copy of the weights (a float16 copy, or oneDNN's packed one).
+    """
+    kernels = []
+    if fp16_holds and copies and fbgemm_fp16_supported():
+        kernels.append("fp16")  # fbgemm on a float16 copy: float32 products of the same numbers
+    if dtype == torch.float32:
+        kernels.append("onednn")  # oneDNN's float32 kernel on the weight as loaded
+    elif copies and onednn_bf16_supported():
+        kernels.append("onednn")  # oneDNN's bfloat16 kernel on a copy in its blocked layout: F.linear's own kernel
+    if rows == 1:
+        kernels.append("mv")  # PyTorch's matrix-vector product, what F.linear runs for one row without oneDNN
+    kernels.append("linear")  # F.linear, the reference's own call
+    return kernels
+
+
+def pinned_kernel() -> Optional[str]:
+    """The kernel `LLAMA_CPU_KERNEL` pins, or None where it is unset (or empty): the kernels are measured."""
+    kernel = os.environ.get(KERNEL_VARIABLE, "").strip()
+    if kernel and kernel not in KERNELS:
+        choices = ", ".join(KERNELS)
+        raise ValueError(f"{KERNEL_VARIABLE}={kernel!r} is not a CPU kernel: set one of {choices}, or unset it")
+    return kernel or None
+
+
+def run_kernel(kernel: str, x: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
+    """`x @ weight.T` on `kernel`; `packed` is the weight's copy for the kernels that run on one (float16 blocks
+    for "fp16", oneDNN's layout for "onednn" in bfloat16)."""
+    if kernel == "fp16":
+        return fp16_linear(x, packed)
+    if kernel == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, weight if packed is None else packed, None, "none", [], "")
+    if kernel == "mv" and x.numel() == x.shape[-1]:
+        return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], -1)
+    return F.linear(x, weight)
+
+
+def last_level_cache_bytes() -> int:
+    """The size of the CPU's largest data cache (Linux's sysfs), or 32 MiB where it is not known."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() != "Instruction":
+                size = (index / "size").read_text().strip().upper()
+                sizes.append(int(size[:-1]) * {"K": 2**10, "M": 2**20}[size[-1]] if size[-1] in "KM" else int(size))
+        except (OSError, ValueError):
+            continue
+    return min(max(sizes, default=32 * 2**20), 512 * 2**20)
+
+
+def time_kernels(runs: Dict[str, Callable[[], object]], flush: Optional[Callable[[], object]]) -> Dict[str, float]:
+    """Each kernel's best time in seconds over `TIMED_ROUNDS` rounds, after a warm-up round (where oneDNN builds
+    its primitives and mapped weights are read in). The kernels take turns within a round, so that a slow spell
+    of a shared machine falls on all of them; before each call `flush` (if any) evicts the caches, since in a
+    decode step each weight comes from memory, the rest of the model having been read since. A kernel more than
+    twice as slow as the best after a round is not timed again."""
+    for run in runs.values():
+        run()
+    best = dict.fromkeys(runs, math.inf)
+    timed = list(runs)
+    for _ in range(TIMED_ROUNDS):
+        for kernel in timed:
+            if flush is not None:
+                flush()
+            start = time.perf_counter()
+            runs[kernel]()
+            best[kernel] = min(best[kernel], time.perf_counter() - start)
+        timed = [kernel for kernel in timed if best[kernel] <= 2 * min(best.values())]
+    return best
+
+
+def cpu_name() -> str:
+    """The CPU's model name, with its family and model numbers where Linux gives them (a virtual machine may name
+    only the vendor's line, "AMD EPYC")."""
+    fields = cpuinfo_fields()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    numbers = [f"{key} {fields[key]}" for key in ("cpu family", "model") if key in fields]
+    return f"{name} ({', '.join(numbers)})" if numbers else name
+
+
+def cpu_flags() -> List[str]:
+    """Which of the instruction sets that decide the kernels' speed this CPU has."""
+    flags = set(cpuinfo_fields().get("flags", "").split())
+    wanted = ("avx2", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+    found = [flag for flag in wanted if flag in flags]
+    return found or [f"torch: {torch.backends.cpu.get_cpu_capability()}"]
+
+
+def cpuinfo_fields() -> Dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return {}
+    return dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in text.splitlines()))
+
+
+class KernelCache:
+    """The kernels chosen here, in `$XDG_CACHE_HOME/llama3/kernels.json` (or ~/.cache/llama3/kernels.json), keyed
+    by the CPU, its flags, the torch version, the thread count, the product and the rows: a later load on the same
+    CPU with the same torch takes them without measuring. A file that cannot be read, or holds anything else, is
+    ignored (the kernels are measured again and the file rewritten); one that cannot be written is skipped."""
+
+    FORMAT = 1
+
+    def __init__(self):
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        self.path = Path(root) / "llama3" / "kernels.json"
+        self.machine = (
+            f"{cpu_name()} [{' '.join(cpu_flags())}], torch {torch.__version__}, {torch.get_num_threads()} threads"
+        )
+        self.choices = self.read()
+        self.measured = {}
+
+    def read(self) -> Dict[str, str]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            logger.warning("Ignoring the CPU kernel cache %s, which cannot be read (%s): measuring again", self.path, e)
+            return {}
+        choices = data.get("choices") if isinstance(data, dict) and data.get("format") == self.FORMAT else None
+        if not isinstance(choices, dict) or not all(kernel in KERNELS for kernel in choices.values()):
+            logger.warning("Ignoring the CPU kernel cache %s, which holds something else: measuring again", self.path)
+            return {}
+        return choices
+
+    def key(self, product: str, rows: int, candidates: List[str]) -> str:
+        return f"{self.machine} | {product} | {rows} rows | {' '.join(candidates)}"
+
+    def get(self, key: str) -> Optional[str]:
+        return self.choices.get(key)
+
+    def put(self, key: str, kernel: str) -> None:
+        self.choices[key] = self.measured[key] = kernel
+
+    def save(self) -> None:
+        """Write the kernels measured since this cache was read, with what the file holds now (another process may
+        have added its own), replacing the file in one step."""
+        if not self.measured:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps({"format": self.FORMAT, "choices": {**self.read(), **self.measured}}, indent=1)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as file:
+                file.write(text)
+            os.replace(file.name, self.path)
+        except OSError as e:
+            logger.warning("Could not write the CPU kernel cache %s (%s): the next load measures again", self.path, e)
+
+
+class CPULinear(ParallelLinear):
+    """A fairscale `ColumnParallelLinear` or `RowParallelLinear` whose matmul runs on the kernel chosen for it.
+
+    `kernels` maps row counts to kernels (`KERNELS`): an input of n rows runs on the kernel of the smallest count
+    that is at least n, or of the largest count (a long prompt). `speed_up_for_cpu` chooses them by measuring.
+    The copies some kernels run on are made at their first use, and again whenever the weight has changed since
+    (`packed_copy`): "fp16" runs on fbgemm's packed float16 copy (`pack_as_fp16`; where float16 cannot hold the
+    weight, on `F.linear`), "onednn" in bfloat16 on a copy in oneDNN's blocked layout, the kernel `F.linear` runs
+    there (bit-identical results) without reordering the weight on every call. The forward is fairscale's with
+    that matmul in place of `F.linear` (`ParallelLinear`); the weight is the same parameter, so it can be edited
+    or tied as usual.
     """
 
-    def __init__(self, layer: nn.Module, packing: Optional[str] = None):
-        if packing not in (None, "onednn", "fp16"):
-            raise ValueError(f"packing must be None, 'onednn' or 'fp16', not {packing!r}")
-        if packing == "onednn" and not onednn_bf16_supported():
-            raise ValueError("packing='onednn' needs oneDNN's bfloat16 kernels, which this CPU lacks (no AVX-512)")
-        if packing == "fp16" and not fbgemm_fp16_supported():
-            raise ValueError("packing='fp16' needs fbgemm's float16 kernels, which this torch build lacks")
+    def __init__(self, layer: nn.Module, kernels: Optional[Dict[int, str]] = None):
         super().__init__(layer)
-        self.packing = packing
-        self.packed = None  # (the weight and its version when packed, the packed copy)
-        self.fused: Optional[FusedProduct] = None  # with packing "fp16": a copy shared with layers of the same input
+        kernels = kernels or {1: "linear"}
+        unknown = set(kernels.values()) - set(KERNELS)
+        if unknown:
+            raise ValueError(f"Unknown CPU kernels {sorted(unknown)}: the kernels are {', '.join(KERNELS)}")
+        if "onednn" in kernels.values() and self.weight.dtype == torch.bfloat16 and not onednn_bf16_supported():
+            raise ValueError("The 'onednn' kernel needs oneDNN's bfloat16 kernels, which this CPU lacks (no AVX-512)")
+        if "fp16" in kernels.values() and not fbgemm_fp16_supported():
+            raise ValueError("The 'fp16' kernel needs fbgemm's float16 kernels, which this torch build lacks")
+        self.kernels = dict(sorted(kernels.items()))
+        self.packed = {}  # kernel -> (the weight and its version when copied, the copy)
+        self.fused: Optional[FusedProduct] = None  # for "fp16": a copy shared with layers of the same input
+
+    def kernel_for(self, rows: int) -> str:
+        return next(
+            (kernel for count, kernel in self.kernels.items() if rows <= count), self.kernels[max(self.kernels)]
+        )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # torch.compile picks its own kernels
             return F.linear(x, self.weight)
-        if self.packing == "fp16" and (y := self.fp16_product(x)) is not None:
-            return y
-        if self.weight.dtype == torch.float32:
-            if x.numel() >= MKL_MIN_ROWS * x.shape[-1]:
-                return F.linear(x, self.weight)
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        if x.numel() == x.shape[-1]:  # one row: PyTorch's own matrix-vector product, what F.linear runs without oneDNN
-            return torch.mv(self.weight, x.reshape(-1)).view(*x.shape[:-1], -1)
-        if self.packing == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), None, "none", [], "")
-        return F.linear(x, self.weight)
+        kernel = self.kernel_for(x.numel() // max(1, x.shape[-1]))
+        if kernel == "fp16":
+            if self.fused is not None:
+                y = self.fused.output(self, x)
+            else:
+                packed = self.packed_copy("fp16")
+                y = None if packed is None else fp16_linear(x, packed)
+            return F.linear(x, self.weight) if y is None else y
+        packed = self.packed_copy("onednn") if kernel == "onednn" and self.weight.dtype != torch.float32 else None
+        return run_kernel(kernel, x, self.weight, packed)
 
-    def fp16_product(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """`x @ weight.T` on the float16 copy (or the copy shared with the layers fused with this one), or None
-        where float16 cannot hold the weight."""
-        if self.fused is not None:
-            return self.fused.output(self, x)
-        packed = self.packed_weight()
-        return None if packed is None else fp16_linear(x, packed)
-
-    def packed_weight(self):
-        """The weight's packed copy (None where `pack_as_fp16` cannot hold it), packed again if the weight was
+    def packed_copy(self, kernel: str):
+        """The weight's copy for `kernel` (None where `pack_as_fp16` cannot hold it), made again if the weight was
         replaced or changed in place since (`unchanged`)."""
-        if self.packed is None or not unchanged(self.packed[0], [self.weight]):
-            self.packed = None  # free the old copy first
-            if self.packing == "fp16":
+        if kernel not in self.packed or not unchanged(self.packed[kernel][0], [self.weight]):
+            self.packed.pop(kernel, None)  # free the old copy first
+            if kernel == "fp16":
                 packed = pack_as_fp16(self.weight)
             else:
                 packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
-            self.packed = (with_versions([self.weight]), packed)
-        return self.packed[1]
+            self.packed[kernel] = (with_versions([self.weight]), packed)
+        return self.packed[kernel][1]
 
     def __getstate__(self):
         # An opaque packed tensor cannot be copied or saved; a copy of this layer packs its own on use.
-        return {**super().__getstate__(), "packed": None}
+        return {**super().__getstate__(), "packed": {}}
 
 
 class FusedProduct:
     """One float16 copy of the stacked weights of `CPULinear` layers that always take the same input (an attention's
-    wq, wk and wv; a feed-forward's w1 and w3): the first layer called with an input computes all their products
-    at once, and the others take their share when called with that same input object (each output column is
-    summed as in a product of its layer alone: the same bits, tested). Fewer, larger products: each fbgemm call
-    costs some 20 to 40 us beyond reading its weight on 2 cores, and a larger weight is read nearer the memory's
-    speed: a few percent, up to some 10% for batches (`benchmarks/on_off.py fused`). The layers keep their own
-    weights and state-dict keys; the copy is made again at its next use when any of them was replaced or edited
-    in place.
+    wq, wk and wv; a feed-forward's w1 and w3), for their "fp16" kernel: the first layer called with an input
+    computes all their products at once, and the others take their share when called with that same input object
+    (each output column is summed as in a product of its layer alone: the same bits, tested). Fewer, larger
+    products: each fbgemm call costs some 20 to 40 us beyond reading its weight on 2 cores, and a larger weight is
+    read nearer the memory's speed: a few percent, up to some 10% for batches (`benchmarks/on_off.py fused`). The
+    layers keep their own weights and state-dict keys; the copy is made again at its next use when any of them was
+    replaced or edited in place.
     """
 
     def __init__(self, layers: List["CPULinear"]):
         self.layers = layers
-        self.packed = None  # (each weight and its version when packed, the packed copy)
+        self.packed = {}  # "fp16" -> (each weight and its version when packed, the packed copy)
         self.pending = None  # (an input, the outputs for it that layers have not taken yet)
 
-    def packed_weight(self) -> Optional[List[torch.Tensor]]:
+    def packed_copy(self, kernel: str = "fp16") -> Optional[List[torch.Tensor]]:
         """The stacked weights' float16 copy (None where float16 cannot hold one of them), made again if one of
         them was replaced or changed in place since (`unchanged`)."""
         weights = [layer.weight for layer in self.layers]
-        if self.packed is None or not unchanged(self.packed[0], weights):
-            self.packed = None  # free the old copy first
-            self.packed = (with_versions(weights), pack_as_fp16(*weights))
-        return self.packed[1]
+        if kernel not in self.packed or not unchanged(self.packed[kernel][0], weights):
+            self.packed.pop(kernel, None)  # free the old copy first
+            self.packed[kernel] = (with_versions(weights), pack_as_fp16(*weights))
+        return self.packed[kernel][1]
 
     def output(self, layer: "CPULinear", x: torch.Tensor) -> Optional[torch.Tensor]:
         """`layer`'s product with `x` (None where float16 cannot hold the weights)."""
         pending = self.pending
         if pending is None or pending[0] is not x or layer not in pending[1]:
-            packed = self.packed_weight()
+            packed = self.packed_copy()
             if packed is None:
                 return None
             outputs = fp16_linear(x, packed).split([layer.weight.shape[0] for layer in self.layers], dim=-1)
@@ -233,26 +396,130 @@ class FusedProduct:
         return output
 
     def __getstate__(self):
-        return {**self.__dict__, "packed": None, "pending": None}  # as CPULinear: a copy packs its own
+        return {**self.__dict__, "packed": {}, "pending": None}  # as CPULinear: a copy packs its own
 
 
 def fuse_fp16_products(model: nn.Module) -> None:
-    """Give each attention's wq, wk and wv, and each feed-forward's w1 and w3, one shared float16 copy
-    (`FusedProduct`), where they run on float16 copies and their stacked weights fit in one packed block: a larger
-    stack is packed in blocks of rows anyway, whose outputs would have to be joined (for Llama 3.2 1B's w1 and w3,
-    prompts ran about 4% slower)."""
+    """Give each attention's wq, wk and wv, and each feed-forward's w1 and w3, one shared float16 copy for their
+    "fp16" kernel (`FusedProduct`), where float16 holds their weights and their stack fits in one packed block: a
+    larger stack is packed in blocks of rows anyway, whose outputs would have to be joined (for Llama 3.2 1B's w1
+    and w3, prompts ran about 4% slower)."""
     for block in model.layers:
         for group in (
             [block.attention.wq, block.attention.wk, block.attention.wv],
             [block.feed_forward.w1, block.feed_forward.w3],
         ):
             if (
-                all(isinstance(layer, CPULinear) and layer.packing == "fp16" for layer in group)
+                all(isinstance(layer, CPULinear) for layer in group)
                 and sum(layer.weight.numel() for layer in group) <= FP16_BLOCK_VALUES
+                and all(holds_bfloat16_values(layer.weight) for layer in group)
             ):
                 fused = FusedProduct(group)
                 for layer in group:
                     layer.fused = fused
+
+
+def products(model: nn.Module) -> List[List[CPULinear]]:
+    """The products a step runs: the layers of each fused group together, every other `CPULinear` alone."""
+    found = {}
+    for layer in model.modules():
+        if isinstance(layer, CPULinear):
+            layers = layer.fused.layers if layer.fused is not None else [layer]
+            found.setdefault(id(layers[0]), layers)
+    return list(found.values())
+
+
+def product_name(layers: List[CPULinear]) -> str:
+    """What a product's kernel choice depends on: its dtype, its weights' shapes, and whether they are fused."""
+    weight = layers[0].weight
+    outputs = "+".join(str(layer.weight.shape[0]) for layer in layers)
+    fused = " fused" if layers[0].fused is not None else ""
+    return f"{str(weight.dtype).removeprefix('torch.')} {outputs}x{weight.shape[1]}{fused}"
+
+
+def row_counts(max_batch_size: int) -> List[int]:
+    """The row counts kernels are chosen for: one row (a decode step of one sequence), the batch, a prompt."""
+    return [1] + ([max_batch_size] if 1 < max_batch_size < PROMPT_ROWS else []) + [PROMPT_ROWS]
+
+
+def weight_sample(layers: List[CPULinear], max_values: int) -> List[torch.Tensor]:
+    """Each layer's weight, or where the product holds more than `max_values` weights, its first rows, in
+    proportion."""
+    total = sum(layer.weight.numel() for layer in layers)
+    if total <= max_values:
+        return [layer.weight.detach() for layer in layers]
+    return [layer.weight.detach()[: max(1, layer.weight.shape[0] * max_values // total)] for layer in layers]
+
+
+def measure(layers: List[CPULinear], rows: int, candidates: List[str], flush) -> Dict[str, float]:
+    """The best seconds of each candidate kernel for `rows` rows through the product of `layers` (`time_kernels`),
+    on a sample of its weights (`weight_sample`), with the copies the kernels need made of the sample alone. One
+    row and the batch are timed with the caches flushed before each call (as a decode step meets its weights);
+    a prompt, bound by arithmetic, without."""
+    decode = rows < PROMPT_ROWS
+    weights = weight_sample(layers, DECODE_SAMPLE_VALUES if decode else PROMPT_SAMPLE_VALUES)
+    x = torch.randn(rows, weights[0].shape[1], generator=torch.Generator().manual_seed(0)).to(weights[0].dtype)
+    runs = {}
+    for kernel in candidates:
+        if kernel == "fp16":  # one product of the stacked weights, as a fused group runs
+            copy = pack_as_fp16(*weights)
+            if copy is not None:
+                runs[kernel] = lambda copy=copy: fp16_linear(x, copy)
+            continue
+        packed = [None] * len(weights)
+        if kernel == "onednn" and weights[0].dtype != torch.float32:
+            packed = [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in weights]
+        runs[kernel] = lambda kernel=kernel, packed=packed: [
+            run_kernel(kernel, x, weight, copy) for weight, copy in zip(weights, packed)
+        ]
+    return time_kernels(runs, flush if decode else None)
+
+
+def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
+    """Set each `CPULinear`'s kernels for `counts` rows: pinned by `LLAMA_CPU_KERNEL` (where that kernel can run
+    the product: else `F.linear`), or the fastest of `candidate_kernels`, from the cache or measured here, once
+    per product name; each choice is logged."""
+    pinned = pinned_kernel()
+    cache = KernelCache()
+    flush_buffer = None
+    chosen = {}
+    start = time.perf_counter()
+    with torch.no_grad():
+        for layers in products(model):
+            name = product_name(layers)
+            if name not in chosen:
+                fp16_holds = all(holds_bfloat16_values(layer.weight) for layer in layers)
+                chosen[name] = {}
+                for rows in counts:
+                    candidates = candidate_kernels(layers[0].weight.dtype, rows, fp16_holds, copies)
+                    key = cache.key(name, rows, candidates)
+                    if pinned is not None:
+                        kernel = pinned if pinned in candidates else "linear"
+                        how = f"pinned by {KERNEL_VARIABLE}={pinned}"
+                    elif len(candidates) == 1:
+                        kernel, how = candidates[0], "the only candidate"
+                    elif cache.get(key) is not None:
+                        kernel, how = cache.get(key), f"from {cache.path}"
+                    else:
+                        if flush_buffer is None:
+                            flush_buffer = torch.ones(last_level_cache_bytes() // 4)
+                        times = measure(layers, rows, candidates, flush_buffer.sum)
+                        kernel = min(times, key=times.get)
+                        cache.put(key, kernel)
+                        how = "measured: " + ", ".join(
+                            f"{k} {t * 1e3:.3g} ms" for k, t in times.items() if t < math.inf
+                        )
+                    chosen[name][rows] = kernel
+                    logger.info("CPU kernel for %s, %d rows: %s (%s)", name, rows, kernel, how)
+            for layer in layers:
+                layer.kernels = dict(chosen[name])
+    cache.save()
+    logger.info(
+        "CPU kernels chosen for %d products in %.2f s (%d row counts measured)",
+        len(chosen),
+        time.perf_counter() - start,
+        len(cache.measured),
+    )
 
 
 # From this many scores (query heads x positions attended) on, `one_position_attention` runs on float32 matmuls;
@@ -283,19 +550,19 @@ def one_position_attention(xq: torch.Tensor, keys: torch.Tensor, values: torch.T
     return output.view(bsz, n_heads, 1, head_dim)
 
 
-def use_cpu_linear_layers(model: nn.Module, packing: Optional[str] = None) -> None:
-    """Replace every fairscale linear layer in `model` with a `CPULinear`, in place."""
-    replace_layers(model, (ColumnParallelLinear, RowParallelLinear), lambda layer: CPULinear(layer, packing))
+def use_cpu_linear_layers(model: nn.Module, kernels: Optional[Dict[int, str]] = None) -> None:
+    """Replace every fairscale linear layer in `model` with a `CPULinear` on `kernels` (see there), in place."""
+    replace_layers(model, (ColumnParallelLinear, RowParallelLinear), lambda layer: CPULinear(layer, kernels))
 
 
 def make_fp16_copies(model: nn.Module) -> None:
-    """Make the float16 copies of `model`'s `CPULinear` layers now rather than at each one's first use, on as many
-    Python threads as torch uses: fbgemm packs a weight on one core."""
-    layers = [m for m in model.modules() if isinstance(m, CPULinear) and m.packing == "fp16"]
+    """Make the float16 copies of `model`'s `CPULinear` layers that run on them now rather than at each one's first
+    use, on as many Python threads as torch uses: fbgemm packs a weight on one core."""
+    layers = [m for m in model.modules() if isinstance(m, CPULinear) and "fp16" in m.kernels.values()]
     copies = {layer.fused or layer for layer in layers}  # a fused group's copy once
     start = time.perf_counter()
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        made = sum(packed is not None for packed in pool.map(lambda owner: owner.packed_weight(), copies))
+        made = sum(packed is not None for packed in pool.map(lambda owner: owner.packed_copy("fp16"), copies))
     seconds = time.perf_counter() - start
     if global_rank() == 0 and made:
         kept = f" ({len(copies) - made} of {len(copies)} not: float16 cannot hold them)" if made < len(copies) else ""
@@ -303,35 +570,26 @@ def make_fp16_copies(model: nn.Module) -> None:
 
 
 def speed_up_for_cpu(model: nn.Module) -> None:
-    """Apply this module's speed-ups to a loaded `Transformer` (model-parallel layers still fairscale's), where it
-    runs on the CPU in float32 or bfloat16 and this torch build supports them.
+    """Put each linear layer of a loaded `Transformer` (model-parallel layers still fairscale's) on the kernel that
+    runs it fastest here (`choose_kernels`), where it runs on the CPU in float32 or bfloat16 and this torch build
+    has oneDNN.
 
-    When a copy of the weights in 2 bytes each fits in half the memory the system has available now:
-    - in bfloat16, where the CPU has oneDNN's bfloat16 kernels and the model may see batches, inputs of several
-      rows run on oneDNN-packed weights, made at their first use (for 1B on an AVX-512 machine: decode steps of 8
-      sequences 1.5-1.9x faster, a prompt of 17 tokens 1.45x, of 256 tokens 2-3%);
-    - in bfloat16 elsewhere, with fbgemm (x86), every input runs on float16 copies, made here (on the 2-core AVX2
-      machine we measure on, for Llama 3.2 1B: 11 to 14 s, then batch-1 decode 1.1 to 1.2x faster than on the
-      bfloat16 weights, and prompts and batches 3 to 8x);
-    - in float32, with fbgemm, weights that hold bfloat16 values (a bfloat16 checkpoint) run every input on
-      float16 copies, made here (1B on the AVX2 machine: 7 s, then batch-1 decode about 1.6x and batch 8 about 2x
-      faster than on oneDNN's float32 kernels: `benchmarks/on_off.py float32-copies`).
-    In bfloat16 where oneDNN has no bfloat16 kernels, one new position attends through `one_position_attention`.
+    Kernels that run on a second copy of the weights (float16 for fbgemm, oneDNN's blocked layout) are candidates
+    only when that copy, 2 bytes a weight, fits in half the memory the system has available now. Float16 copies
+    are made here (`Llama.build` prints how long it took), oneDNN's at a weight's first input of the rows they
+    were chosen for. In bfloat16 where oneDNN has no bfloat16 kernels (AVX2), one new position attends through
+    `one_position_attention`.
     """
     weight = model.tok_embeddings.weight
     if not onednn_supported(weight.device) or weight.dtype not in (torch.float32, torch.bfloat16):
         return
     copy_bytes = sum(p.numel() * 2 for p in model.parameters())  # a bfloat16 or float16 copy of every weight
-    packing = None
-    if 2 * copy_bytes <= available_memory():
-        if weight.dtype == torch.bfloat16 and onednn_bf16_supported():
-            packing = "onednn" if model.params.max_batch_size > 1 else None
-        elif fbgemm_fp16_supported():
-            packing = "fp16"
-    use_cpu_linear_layers(model, packing)
+    copies = 2 * copy_bytes <= available_memory()
+    use_cpu_linear_layers(model)
+    if copies and fbgemm_fp16_supported():
+        fuse_fp16_products(model)
+    choose_kernels(model, row_counts(model.params.max_batch_size), copies)
     if weight.dtype == torch.bfloat16 and not onednn_bf16_supported():
         for block in model.layers:
             block.attention.one_position_attention = one_position_attention
-    if packing == "fp16":
-        fuse_fp16_products(model)
-        make_fp16_copies(model)
+    make_fp16_copies(model)

@@ -7,6 +7,7 @@ The reference is the same checkpoint run as Meta's code runs it: `F.linear` and 
 """
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -124,28 +125,67 @@ def test_prompt_attended_causally_equals_the_mask_tensor_bit_for_bit(process_gro
     assert torch.equal(causal, masked)
 
 
-def test_long_float32_inputs_run_on_f_linear_bit_for_bit(process_group):
-    """From `MKL_MIN_ROWS` rows on (a long prompt), a float32 layer without a float16 copy gives what `F.linear`,
-    the layer Meta's code runs, gives, bit for bit; fewer rows run on oneDNN, whose sums here round differently."""
-    generator = torch.Generator().manual_seed(5)
-    layer = CPULinear(ColumnParallelLinear(384, 96, bias=False, gather_output=False, init_method=lambda w: w))
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(96, 384, generator=generator))
-    rows = llama.cpu.MKL_MIN_ROWS
-    x = torch.randn(1, rows + 3, 384, generator=generator)
-    with torch.inference_mode():
-        assert torch.equal(layer(x), F.linear(x, layer.weight))
-        assert torch.equal(layer(x[:, :rows]), F.linear(x[:, :rows], layer.weight))
-        short = x[:, : rows - 1]
-        on_onednn, reference = layer(short), F.linear(short, layer.weight)
-        assert not torch.equal(on_onednn, reference)  # this test would see oneDNN's sums
-        torch.testing.assert_close(on_onednn, reference, atol=1e-4, rtol=1e-5)
+def kernel_layer(dtype: torch.dtype, kernels: dict) -> CPULinear:
+    """A 96 x 384 `CPULinear` of random weights that hold bfloat16 values, in `dtype`, on `kernels`."""
+    layer = ColumnParallelLinear(384, 96, bias=False, gather_output=False, init_method=lambda w: w)
+    weight = torch.randn(96, 384, generator=torch.Generator().manual_seed(5)).bfloat16().to(dtype)
+    layer.weight = nn.Parameter(weight, requires_grad=False)
+    return CPULinear(layer, kernels)
+
+
+def kernels_here(dtype: torch.dtype) -> list:
+    """The kernels this CPU and torch build can run for `dtype` (every candidate of one row, with copies)."""
+    return llama.cpu.candidate_kernels(dtype, 1, fp16_holds=True, copies=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_each_kernel_gives_its_own_product_for_any_number_of_rows(process_group, dtype):
+    """A layer on each kernel gives what that kernel's own call gives, bit for bit, for one row, a few and a
+    prompt's many: `F.linear` (the reference's call) for "linear", and for "onednn" in bfloat16 (the same oneDNN
+    kernel, on a packed copy); `torch.mv` for one row on "mv" (F.linear for more); fbgemm's product on a float16
+    copy for "fp16"; oneDNN's on the weight for "onednn" in float32. Each is within rounding of `F.linear`."""
+    generator = torch.Generator().manual_seed(6)
+    for kernel in kernels_here(dtype):
+        layer = kernel_layer(dtype, {1: kernel, 8: kernel, 256: kernel})
+        weight = layer.weight
+        for rows in (1, 3, 300):
+            x = torch.randn(1, rows, 384, generator=generator).to(dtype)
+            with torch.inference_mode():
+                y, reference = layer(x), F.linear(x, weight)
+                if kernel == "fp16":
+                    own = fp16_linear(x, pack_as_fp16(weight))
+                elif kernel == "onednn" and dtype == torch.float32:
+                    own = torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+                elif kernel == "mv" and rows == 1:
+                    own = torch.mv(weight, x.reshape(-1)).view(1, 1, -1)
+                else:
+                    own = reference
+            assert torch.equal(y, own), (kernel, rows)
+            tolerance = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+            torch.testing.assert_close(y, reference, **tolerance)
+
+
+def test_inputs_run_on_the_kernel_chosen_for_their_row_count(process_group, monkeypatch):
+    """One row runs on the kernel chosen for one row, up to the batch's rows on the batch's, more on the prompt's."""
+    calls = []
+    run_kernel = llama.cpu.run_kernel
+    monkeypatch.setattr(
+        llama.cpu, "run_kernel", lambda kernel, *args: calls.append(kernel) or run_kernel(kernel, *args)
+    )
+    layer = kernel_layer(torch.float32, {1: "mv", 8: "onednn", 256: "linear"})
+    expected = {1: "mv", 2: "onednn", 8: "onednn", 9: "linear", 256: "linear", 1000: "linear"}
+    for rows, kernel in expected.items():
+        calls.clear()
+        with torch.inference_mode():
+            layer(torch.randn(rows, 384))
+        assert calls == [kernel], rows
 
 
 @pytest.mark.skipif(not onednn_bf16_supported(), reason="oneDNN has no bfloat16 kernels for this CPU (no AVX-512)")
-def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_group, tmp_path):
-    """Prompts and decode steps of several bf16 sequences run on weights packed once for oneDNN: the logits of
-    `F.linear` bit for bit, also after a weight is edited in place or replaced between calls."""
+def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_group, tmp_path, monkeypatch):
+    """On the "onednn" kernel, prompts and decode steps of bf16 sequences run on weights packed once for oneDNN:
+    the logits of `F.linear` bit for bit, also after a weight is edited in place or replaced between calls."""
+    monkeypatch.setenv("LLAMA_CPU_KERNEL", "onednn")
     weights = random_weights(GQA_PARAMS, seed=15)
     packed = load_tiny(tmp_path / "packed", weights, torch.bfloat16)
     plain = load_tiny(tmp_path / "plain", weights, torch.bfloat16)
@@ -157,7 +197,7 @@ def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_gr
 
     before = steps(packed)
     assert torch.equal(before, steps(plain))
-    assert all(m.packed is not None for m in packed.modules() if isinstance(m, CPULinear))
+    assert all("onednn" in m.packed for m in packed.modules() if isinstance(m, CPULinear))
 
     with torch.no_grad():
         for model in (packed, plain):
@@ -198,25 +238,27 @@ def test_no_packed_copies_without_memory_for_them(process_group, tmp_path, monke
     model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=15), dtype)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(7))
     incremental_logits(model, tokens, [6, 1, 1])
-    assert all(m.packed is None for m in model.modules() if isinstance(m, CPULinear))
+    layers = [m for m in model.modules() if isinstance(m, CPULinear)]
+    assert layers and not any(m.packed or m.fused for m in layers)
+    assert not any({"fp16", "onednn"} & set(m.kernels.values()) for m in layers if m.weight.dtype == torch.bfloat16)
 
 
 def test_no_packed_weights_without_their_kernels(process_group, tmp_path, monkeypatch):
     """Without oneDNN's bfloat16 kernels (AVX-512 and later) or fbgemm's float16 ones (x86), a bfloat16 model runs
-    on the bfloat16 weights as loaded, and asking for either packing is a clear error, not a crash at the first
+    on the bfloat16 weights as loaded, and asking for either kernel is a clear error, not a crash at the first
     batch."""
     monkeypatch.setattr(llama.cpu, "onednn_bf16_supported", lambda: False)
     monkeypatch.setattr(llama.cpu, "fbgemm_fp16_supported", lambda: False)
     model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=15), torch.bfloat16)
     layers = [m for m in model.modules() if isinstance(m, CPULinear)]
-    assert layers and not any(layer.packing for layer in layers)
+    assert layers and all(set(layer.kernels.values()) <= {"mv", "linear"} for layer in layers)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(7))
     assert incremental_logits(model, tokens, [6, 1, 1, 1, 1]).isfinite().all()
-    assert all(layer.packed is None for layer in layers)
+    assert not any(layer.packed for layer in layers)
     with pytest.raises(ValueError, match="bfloat16 kernels, which this CPU lacks"):
-        CPULinear(model.layers[0].attention.wq.plain, packing="onednn")
+        kernel_layer(torch.bfloat16, {1: "onednn"})
     with pytest.raises(ValueError, match="float16 kernels, which this torch build lacks"):
-        CPULinear(model.layers[0].attention.wq.plain, packing="fp16")
+        kernel_layer(torch.bfloat16, {1: "fp16"})
 
 
 needs_fbgemm = pytest.mark.skipif(not fbgemm_fp16_supported(), reason="this torch build has no fbgemm (not x86)")
@@ -252,15 +294,16 @@ def test_float16_copy_holds_each_bfloat16_weight(monkeypatch):
 
 @needs_fbgemm
 def test_bfloat16_on_float16_copies_keeps_the_reference_results(process_group, tmp_path, monkeypatch):
-    """Where oneDNN has no bfloat16 kernels, a bfloat16 model runs every input on float16 copies of its weights,
-    made at load. Its logits are as close to float32's as Meta's bfloat16 math is, they pick float32's next token
-    at least as often, and greedy decoding gives Meta's tokens. The weights themselves stay as loaded."""
-    monkeypatch.setattr(llama.cpu, "onednn_bf16_supported", lambda: False)
+    """On the "fp16" kernel (pinned here: measuring picks it where it is fastest), a bfloat16 model runs every input
+    on float16 copies of its weights, made at load. Its logits are as close to float32's as Meta's bfloat16 math
+    is, they pick float32's next token at least as often, and greedy decoding gives Meta's tokens. The weights
+    themselves stay as loaded."""
+    monkeypatch.setenv("LLAMA_CPU_KERNEL", "fp16")
     weights = random_weights(GQA_PARAMS, seed=12)
     fast = load_tiny(tmp_path / "fast", weights, torch.bfloat16)
     layers = [m for m in fast.modules() if isinstance(m, CPULinear)]
-    assert layers and all(m.packing == "fp16" for m in layers)
-    assert all((m.fused or m).packed is not None for m in layers)  # made at load, before any input
+    assert layers and all(set(m.kernels.values()) == {"fp16"} for m in layers)
+    assert all("fp16" in (m.fused or m).packed for m in layers)  # made at load, before any input
     reference = reference_model(tmp_path / "reference", weights, torch.bfloat16)
     assert all(torch.equal(fast.state_dict()[k], v) for k, v in reference.state_dict().items())
 
@@ -282,15 +325,19 @@ def test_bfloat16_on_float16_copies_keeps_the_reference_results(process_group, t
 
 
 @needs_fbgemm
-def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tmp_path, capsys):
-    """A float32 model loaded from a bfloat16 checkpoint runs every input (decode steps, prompts long or short) on
-    float16 copies of its weights, made at load: its logits stay within 1e-4 of Meta's float32 math and greedy
-    decoding gives Meta's tokens; state_dict() gives the float32 weights. A float32 checkpoint whose weights are not
-    bfloat16 values gets no copies (and no line saying it made them): it runs on the float32 weights."""
+def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tmp_path, capsys, monkeypatch):
+    """On the "fp16" kernel (pinned here), a float32 model loaded from a bfloat16 checkpoint runs every input
+    (decode steps, prompts long or short) on float16 copies of its weights, made at load: its logits stay within
+    1e-4 of Meta's float32 math and greedy decoding gives Meta's tokens; state_dict() gives the float32 weights. A
+    float32 checkpoint whose weights are not bfloat16 values gets no copies (and no line saying it made them): it
+    runs on `F.linear`, float16 copies being the pinned kernel."""
+    monkeypatch.setenv("LLAMA_CPU_KERNEL", "fp16")
     weights = random_weights(GQA_PARAMS, seed=23)  # bfloat16, as Meta ships checkpoints
     fast = load_tiny(tmp_path / "fast", weights, torch.float32)
     layers = [m for m in fast.modules() if isinstance(m, CPULinear)]
-    assert layers and all(m.packing == "fp16" and (m.fused or m).packed[1] is not None for m in layers)
+    assert layers and all(
+        set(m.kernels.values()) == {"fp16"} and (m.fused or m).packed["fp16"][1] is not None for m in layers
+    )
     assert "Made float16 copies of the weights" in capsys.readouterr().out
     # The copy is what runs: a weight below 2**-17 comes out as float16 holds it.
     wo = copy.deepcopy(fast.layers[0].attention.wo)
@@ -298,7 +345,7 @@ def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tm
     with torch.no_grad():
         wo.weight[0, 0] = tiny
     with torch.inference_mode():
-        for rows in (3, llama.cpu.MKL_MIN_ROWS):  # a decode step's few rows, and a long prompt's
+        for rows in (3, llama.cpu.PROMPT_ROWS):  # a decode step's few rows, and a long prompt's
             x = torch.eye(GQA_PARAMS["dim"]).repeat(rows // GQA_PARAMS["dim"] + 1, 1)[:rows]
             assert wo(x)[0, 0] == tiny.half().float() != tiny
     reference = reference_model(tmp_path / "reference", weights, torch.float32)
@@ -320,7 +367,7 @@ def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tm
     capsys.readouterr()
     full_precision = load_tiny(tmp_path / "float32 values", trained, torch.float32)
     layers = [m for m in full_precision.modules() if isinstance(m, CPULinear)]
-    assert all((m.fused or m).packed[1] is None for m in layers)
+    assert not any((m.fused or m).packed for m in layers)  # F.linear where the pinned kernel cannot run
     assert "float16 copies" not in capsys.readouterr().out
     expected = reference_model(tmp_path / "float32 reference", trained, torch.float32)(tokens, 0)
     assert (incremental_logits(full_precision, tokens, [24] + [1] * 8) - expected).abs().max() < ATOL
@@ -328,9 +375,9 @@ def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tm
 
 @needs_fbgemm
 def test_float16_copies_follow_weight_edits(process_group, tmp_path, monkeypatch):
-    """A weight edited in place or replaced is copied again at its next use: the logits are those of a model
-    loaded with the new weights. A weight float16 cannot hold runs on the bfloat16 kernels."""
-    monkeypatch.setattr(llama.cpu, "onednn_bf16_supported", lambda: False)
+    """On the "fp16" kernel, a weight edited in place or replaced is copied again at its next use: the logits are
+    those of a model loaded with the new weights. A weight float16 cannot hold runs on `F.linear`."""
+    monkeypatch.setenv("LLAMA_CPU_KERNEL", "fp16")
     weights = random_weights(GQA_PARAMS, seed=19)
     model = load_tiny(tmp_path / "edited", weights, torch.bfloat16)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(6))
@@ -368,7 +415,7 @@ def test_float16_copies_follow_weight_edits(process_group, tmp_path, monkeypatch
     x = torch.randn(3, GQA_PARAMS["dim"]).bfloat16()
     for layer in (attention.wq, attention.wk, attention.wv):
         assert torch.equal(layer(x), F.linear(x, layer.weight))
-    assert attention.wq.fused.packed[1] is None
+    assert attention.wq.fused.packed["fp16"][1] is None
 
 
 @needs_fbgemm
@@ -376,7 +423,7 @@ def test_layers_sharing_a_float16_copy_each_give_their_own_product(process_group
     """wq, wk and wv (and w1, w3) run as one product on one float16 copy of their stacked weights, each taking its
     share: whatever the order of the calls and whichever inputs they get, each layer gives the product of its
     own weight with its own input, that of a float16 copy of its weight alone."""
-    monkeypatch.setattr(llama.cpu, "onednn_bf16_supported", lambda: False)
+    monkeypatch.setenv("LLAMA_CPU_KERNEL", "fp16")
     model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=21), torch.bfloat16)
     attention, feed_forward = model.layers[0].attention, model.layers[1].feed_forward
     qkv = (attention.wq, attention.wk, attention.wv)
@@ -434,3 +481,108 @@ def test_bfloat16_decoding_with_one_position_attention_gives_meta_logits(process
     assert not torch.equal(incremental_logits(fast, tokens, one_at_a_time), expected)  # SDPA: too few scores
     monkeypatch.setattr(llama.cpu, "MATMUL_ATTENTION_MIN_SCORES", 0)
     assert torch.equal(incremental_logits(fast, tokens, one_at_a_time), expected)
+
+
+def test_an_unknown_pinned_kernel_is_a_value_error_naming_the_kernels(process_group, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_CPU_KERNEL", "fast")
+    with pytest.raises(ValueError, match="LLAMA_CPU_KERNEL='fast' is not a CPU kernel: set one of fp16, onednn, mv"):
+        load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=12), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_each_pinned_kernel_keeps_the_reference_results(process_group, tmp_path, monkeypatch, dtype):
+    """Each kernel pinned through LLAMA_CPU_KERNEL runs every product it can run (and `F.linear` the others): the
+    logits of `F.linear`'s layers bit for bit on "linear", and on "onednn" in bfloat16 (the same oneDNN kernel);
+    on the others float32 logits within 1e-4 of them and greedy tokens equal in both dtypes."""
+    weights = random_weights(GQA_PARAMS, seed=12)
+    reference = reference_model(tmp_path / "reference", weights, dtype)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
+    expected = incremental_logits(reference, tokens, [8, 1, 1, 1, 1])
+    expected_one_row = incremental_logits(reference, tokens[:1], [8, 1, 1, 1, 1])
+    prompt = tokens[:, :6]
+    for kernel in kernels_here(dtype):
+        monkeypatch.setenv("LLAMA_CPU_KERNEL", kernel)
+        model = load_tiny(tmp_path / kernel, weights, dtype)
+        with_reference_attention(model)  # only the linear layers differ from the reference
+        layers = [m for m in model.modules() if isinstance(m, CPULinear)]
+        assert all(m.kernels[1] == kernel for m in layers), kernel
+        logits = incremental_logits(model, tokens, [8, 1, 1, 1, 1])
+        one_row = incremental_logits(model, tokens[:1], [8, 1, 1, 1, 1])
+        if kernel == "linear" or (kernel == "onednn" and dtype == torch.bfloat16):
+            assert torch.equal(logits, expected) and torch.equal(one_row, expected_one_row), kernel
+        elif dtype == torch.float32:
+            assert (logits - expected).abs().max() < ATOL and (one_row - expected_one_row).abs().max() < ATOL
+        for batch in (prompt, prompt[:1]):
+            assert torch.equal(greedy_tokens(model, batch, 12), greedy_tokens(reference, batch, 12)), kernel
+
+
+def measured_products(monkeypatch) -> list:
+    """A list that gets each (product, rows) that `llama.cpu` measures from now on."""
+    measured = []
+    measure = llama.cpu.measure
+
+    def counting(layers, rows, *args):
+        measured.append((llama.cpu.product_name(layers), rows))
+        return measure(layers, rows, *args)
+
+    monkeypatch.setattr(llama.cpu, "measure", counting)
+    return measured
+
+
+def chosen_kernels(model) -> list:
+    return [m.kernels for m in model.modules() if isinstance(m, CPULinear)]
+
+
+def test_kernels_are_measured_once_then_taken_from_the_cache(process_group, tmp_path, monkeypatch, caplog):
+    """The first load measures each product's kernels and caches the choice under $XDG_CACHE_HOME; a second load
+    (the same CPU and torch) takes it from there without measuring; a new torch version measures again. Each
+    choice is logged."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    measured = measured_products(monkeypatch)
+    weights = random_weights(GQA_PARAMS, seed=12)
+    with caplog.at_level(logging.INFO, logger="llama.cpu"):
+        first = load_tiny(tmp_path / "first", weights, torch.bfloat16)
+    # embedding-sized head, wq+wk+wv, wo, w1+w3, w2: one row, the batch of 2 and a prompt each
+    assert len(measured) == 5 * 3 and len(set(measured)) == len(measured)
+    assert (tmp_path / "cache" / "llama3" / "kernels.json").is_file()
+    assert "CPU kernel for bfloat16 512x64, 1 rows:" in caplog.text and "(measured: " in caplog.text
+
+    measured.clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="llama.cpu"):
+        second = load_tiny(tmp_path / "second", weights, torch.bfloat16)
+    assert measured == [] and chosen_kernels(second) == chosen_kernels(first)
+    assert "kernels.json)" in caplog.text
+
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    load_tiny(tmp_path / "new torch", weights, torch.bfloat16)
+    assert len(measured) == 5 * 3
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ['{"format": 1, "choices": {"x": ', "[1, 2]", '{"format": 1, "choices": {"x": "turbo"}}', "\udcff"],
+    ids=["truncated", "not-a-table", "unknown-kernel", "not-utf8"],
+)
+def test_a_damaged_cache_file_is_measured_again_and_rewritten(process_group, tmp_path, monkeypatch, damage):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = tmp_path / "cache" / "llama3" / "kernels.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(damage.encode("utf-8", "surrogateescape"))
+    measured = measured_products(monkeypatch)
+    load_tiny(tmp_path / "first", random_weights(GQA_PARAMS, seed=12), torch.float32)
+    assert len(measured) == 5 * 3
+    measured.clear()
+    load_tiny(tmp_path / "second", random_weights(GQA_PARAMS, seed=12), torch.float32)
+    assert measured == []  # the file was rewritten, whole
+
+
+def test_the_fastest_candidate_is_chosen(process_group, tmp_path, monkeypatch):
+    """Whichever candidate measures fastest for a row count is the one that row count runs on."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for fastest in ("linear", "onednn"):
+        fake = {"fp16": 3.0, "onednn": 2.0, "mv": 2.5, "linear": 4.0, fastest: 1.0}
+        monkeypatch.setattr(llama.cpu, "time_kernels", lambda runs, flush: {k: fake[k] for k in runs})
+        monkeypatch.setattr(torch, "__version__", f"measured for {fastest}")
+        model = load_tiny(tmp_path / fastest, random_weights(GQA_PARAMS, seed=12), torch.float32)
+        assert all(set(kernels.values()) == {fastest} for kernels in chosen_kernels(model))
