@@ -5,9 +5,11 @@ full (unsharded) shapes. `rank_weights` then cuts out what one rank of a model-p
 whatever the number of shards on disk: that is how an 8-shard 70B runs on 2 GPUs, or a 1-shard 8B on 2.
 """
 
+import itertools
 import json
 import logging
-import pickle
+import numbers
+import os
 import re
 import shutil
 import time
@@ -35,7 +37,7 @@ from llama.quantize import (
     saved_shapes,
     whole_shape,
 )
-from llama.tokenizer import Tokenizer
+from llama.tokenizer import Tokenizer, short_repr
 
 logger = logging.getLogger(__name__)
 
@@ -52,60 +54,81 @@ LLAMA3_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origina
 HF_CONFIG = "config.json"
 META_PARAMS = "params.json"
 
-# The kind of value each configuration field holds ("int", "number", "bool"), and whether it may be null; every
-# number must be positive. Checked when the file is read, so that a bad value is named there, not deep in torch.
+# The kind of value each configuration field holds ("int", "number", "bool"), whether it may be null, and for a
+# number the largest value allowed; every number must be positive, and finite. Checked when the file is read, so
+# that a bad value is named there, not deep in torch. The bounds lie far above any Llama (the largest, 405B: dim
+# 16384, 126 layers, 128 heads, FFN width 53248, vocabulary 128256, rope_theta 500000) and low enough that every
+# size computed from them stays exact in int64 and float32.
+MAX_WIDTH = 2**20  # dim, and a head's width
+MAX_LAYERS = 2**12
+MAX_HEADS = 2**16
+MAX_VOCAB = 2**24
+MAX_FFN_WIDTH = 2**24
+MAX_ROPE_THETA = 1e12
+MAX_ROPE_SCALING_FACTOR = 2**10
+MAX_FFN_DIM_MULTIPLIER = 2**8
+MAX_NORM_EPS = 1.0
 PARAMS_FIELDS = {
-    "dim": ("int", False),
-    "n_layers": ("int", False),
-    "n_heads": ("int", False),
-    "n_kv_heads": ("int", True),
-    "vocab_size": ("int", False),
-    "multiple_of": ("int", False),
-    "ffn_dim_multiplier": ("number", True),
-    "norm_eps": ("number", False),
-    "rope_theta": ("number", False),
-    "use_scaled_rope": ("bool", False),
-    "rope_scaling_factor": ("number", True),
+    "dim": ("int", False, MAX_WIDTH),
+    "n_layers": ("int", False, MAX_LAYERS),
+    "n_heads": ("int", False, MAX_HEADS),
+    "n_kv_heads": ("int", True, MAX_HEADS),
+    "vocab_size": ("int", False, MAX_VOCAB),
+    "multiple_of": ("int", False, MAX_FFN_WIDTH),
+    "ffn_dim_multiplier": ("number", True, MAX_FFN_DIM_MULTIPLIER),
+    "norm_eps": ("number", False, MAX_NORM_EPS),
+    "rope_theta": ("number", False, MAX_ROPE_THETA),
+    "use_scaled_rope": ("bool", False, None),
+    "rope_scaling_factor": ("number", True, MAX_ROPE_SCALING_FACTOR),
+    "tie_word_embeddings": ("bool", True, None),
 }
 PARAMS_REQUIRED = ("dim", "n_layers", "n_heads", "vocab_size")
 HF_CONFIG_FIELDS = {
-    "hidden_size": ("int", False),
-    "num_hidden_layers": ("int", False),
-    "num_attention_heads": ("int", False),
-    "num_key_value_heads": ("int", True),
-    "head_dim": ("int", True),
-    "vocab_size": ("int", False),
-    "intermediate_size": ("int", False),
-    "rms_norm_eps": ("number", False),
-    "rope_theta": ("number", False),
-    "tie_word_embeddings": ("bool", True),
+    "hidden_size": ("int", False, MAX_WIDTH),
+    "num_hidden_layers": ("int", False, MAX_LAYERS),
+    "num_attention_heads": ("int", False, MAX_HEADS),
+    "num_key_value_heads": ("int", True, MAX_HEADS),
+    "head_dim": ("int", True, MAX_WIDTH),
+    "vocab_size": ("int", False, MAX_VOCAB),
+    "intermediate_size": ("int", False, MAX_FFN_WIDTH),
+    "rms_norm_eps": ("number", False, MAX_NORM_EPS),
+    "rope_theta": ("number", False, MAX_ROPE_THETA),
+    "tie_word_embeddings": ("bool", True, None),
+    "attention_bias": ("bool", True, None),
+    "mlp_bias": ("bool", True, None),
 }
 HF_CONFIG_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
 
 
-def check_fields(config, kinds: Dict[str, Tuple[str, bool]], required: Tuple[str, ...], path) -> None:
+def check_fields(config, kinds: Dict[str, Tuple[str, bool, Optional[float]]], required: Tuple[str, ...], path) -> None:
     """Raise a ValueError naming `path` and the field, for a configuration without the `required` fields, or with
-    a field of `kinds` whose value is of another kind or not positive."""
+    a field of `kinds` whose value is of another kind, not positive, not finite or above its bound."""
     missing = [name for name in required if name not in config]
     if missing:
         raise ValueError(f"{path} lacks {', '.join(missing)}; is it the file that came with the checkpoint?")
-    for name, (kind, nullable) in kinds.items():
-        if name not in config or (nullable and config[name] is None):
-            continue
-        value = config[name]
-        if kind == "bool":
-            ok = isinstance(value, bool)
-        else:
-            allowed = int if kind == "int" else (int, float)
-            ok = isinstance(value, allowed) and not isinstance(value, bool) and value > 0
-        if not ok:
-            wanted = {"int": "a positive integer", "number": "a positive number", "bool": "true or false"}[kind]
-            raise ValueError(f"{path}: {name} must be {wanted}{' or null' if nullable else ''}, got {value!r}")
+    for name, (kind, nullable, bound) in kinds.items():
+        if name in config and not (nullable and config[name] is None):
+            check_value(config[name], kind, bound, f"{path}: {name}", nullable)
+
+
+def check_value(value, kind: str, bound: Optional[float], what: str, nullable: bool = False) -> None:
+    """Raise a ValueError starting with `what` unless `value` is of `kind` ("int", "number" or "bool"), and for a
+    number positive, finite and at most `bound`."""
+    if kind == "bool":
+        ok = isinstance(value, bool)
+    else:
+        allowed = int if kind == "int" else (int, float)
+        ok = isinstance(value, allowed) and not isinstance(value, bool) and 0 < value <= bound  # NaN fails too
+    if not ok:
+        wanted = {"int": "a positive integer", "number": "a positive finite number", "bool": "true or false"}[kind]
+        limit = "" if bound is None else f" up to {bound:,}" if kind == "int" else f" up to {bound:g}"
+        raise ValueError(f"{what} must be {wanted}{limit}{' or null' if nullable else ''}, got {short_repr(value)}")
 
 
 def split_dim(key: str) -> Optional[int]:
-    """The dimension along which model parallelism splits the tensor `key` (None: replicated)."""
-    module = key.split(".")[-2]
+    """The dimension along which model parallelism splits the tensor `key` (None: replicated, or not a weight of a
+    layer, such as a key without a dot, which the key check then names)."""
+    module = key.split(".")[-2] if "." in key else None
     if module in SPLIT_ON_DIM_0:
         return 0
     if module in SPLIT_ON_DIM_1:
@@ -144,6 +167,7 @@ class CheckpointReader:
     params: dict  # Meta params.json fields
     dtype: torch.dtype  # dtype the weights are stored in
     shapes: Dict[str, torch.Size]  # full, unsharded shapes of the model's tensors (IGNORED_KEYS left out)
+    dtypes: Dict[str, torch.dtype]  # the dtype each of them is stored in
 
     def source(self, key: str) -> str:
         """Where `key` lives, for error messages."""
@@ -175,7 +199,7 @@ class MetaCheckpoint(CheckpointReader):
         if not self.files:
             raise FileNotFoundError(f"No checkpoint files (*.pth) found in {ckpt_dir}; expected consolidated.00.pth")
         self.shards = [load_shard(f) for f in self.files]
-        self.shapes = {}
+        self.shapes, self.dtypes = {}, {}
         first = self.shards[0]
         for path, shard in zip(self.files[1:], self.shards[1:]):
             if shard.keys() != first.keys():
@@ -184,6 +208,13 @@ class MetaCheckpoint(CheckpointReader):
         for key, tensor in first.items():
             if key in IGNORED_KEYS:
                 continue
+            for path, shard in zip(self.files[1:], self.shards[1:]):
+                if shard[key].dtype != tensor.dtype:
+                    raise ValueError(
+                        f"{key} is {shard[key].dtype} in {path.name} but {tensor.dtype} in {self.files[0].name}; "
+                        "the shards do not belong together"
+                    )
+            self.dtypes[key] = tensor.dtype
             dim = split_dim(key)
             shape = list(tensor.shape)
             if dim is not None and dim < len(shape):
@@ -225,7 +256,7 @@ def load_shard(path: Path) -> Dict[str, torch.Tensor]:
     naming the file when it is not a complete PyTorch checkpoint."""
     try:
         shard = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+    except Exception as e:  # whatever a damaged file makes torch raise: pickle, zip and OS errors among others
         reason = str(e).split(". ")[0].splitlines()[0] if str(e) else type(e).__name__  # torch's first sentence
         raise ValueError(
             f"{path} is not a readable PyTorch checkpoint ({reason}): it is truncated, damaged or of another format. "
@@ -233,6 +264,11 @@ def load_shard(path: Path) -> Dict[str, torch.Tensor]:
         ) from e
     if not isinstance(shard, dict) or not all(isinstance(t, torch.Tensor) for t in shard.values()):
         raise ValueError(f"{path} holds {type(shard).__name__}, not a dict of tensors; it is not a Llama checkpoint")
+    for key, tensor in shard.items():
+        if not isinstance(key, str):
+            raise ValueError(f"{path} holds a tensor under {short_repr(key)}, not a name; it is not a Llama checkpoint")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"{key} in {path} is a {tensor.layout} tensor; a Llama checkpoint holds dense tensors")
     return shard
 
 
@@ -285,6 +321,8 @@ def permute_for_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 def hf_config_to_params(config: dict, path: Path) -> dict:
     """Meta params.json fields for a Hugging Face LlamaForCausalLM config.json."""
     architectures = config.get("architectures") or []
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        raise ValueError(f"{path}: architectures must be a list of names, got {short_repr(architectures)}")
     if "LlamaForCausalLM" not in architectures and config.get("model_type") != "llama":
         raise ValueError(
             f"{path} describes {architectures or config.get('model_type')}, not a Llama model "
@@ -304,8 +342,18 @@ def hf_config_to_params(config: dict, path: Path) -> dict:
     multiplier = None if base <= hidden else hidden / base
     if FeedForward.hidden_size(4 * dim, hidden, multiplier) != hidden:  # float rounding of hidden / base
         raise ValueError(f"{path}: intermediate_size {hidden} cannot be expressed as a Llama 3 FFN width")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    for name in ("rope_parameters", "rope_scaling"):
+        if config.get(name) is not None and not isinstance(config[name], dict):
+            raise ValueError(f"{path}: {name} must be an object or null, got {short_repr(config[name])}")
+    rope_field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = config.get(rope_field) or {}
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope and not isinstance(rope_type, str):
+        raise ValueError(
+            f"{path}: {rope_field} has no rope_type (a name such as 'llama3' or 'default'), got {short_repr(rope)}"
+        )
+    if "rope_theta" in rope:
+        check_value(rope["rope_theta"], "number", MAX_ROPE_THETA, f"{path}: {rope_field}.rope_theta")
     params = {
         "dim": dim,
         "n_layers": config["num_hidden_layers"],
@@ -322,9 +370,10 @@ def hf_config_to_params(config: dict, path: Path) -> dict:
             if rope.get(name, value) != value:
                 raise ValueError(f"{path}: rope {name}={rope[name]} is not supported (Llama 3.1 uses {value})")
         params["use_scaled_rope"] = True
+        check_value(rope.get("factor", 8.0), "number", MAX_ROPE_SCALING_FACTOR, f"{path}: {rope_field}.factor")
         if rope.get("factor", 8.0) != 8.0:
             params["rope_scaling_factor"] = rope["factor"]
-    elif rope_type != "default":
+    elif rope_type not in (None, "default"):
         raise ValueError(f"{path}: rope type {rope_type!r} is not supported; expected 'llama3' or none")
     return params
 
@@ -362,6 +411,10 @@ def hf_config(params: dict, dtype: torch.dtype) -> dict:
     return config
 
 
+# The safetensors dtypes a Hugging Face Llama checkpoint may store its weights in.
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
 class HuggingFaceCheckpoint(CheckpointReader):
     """A Hugging Face LlamaForCausalLM folder: config.json plus model*.safetensors (maybe with an index)."""
 
@@ -389,7 +442,7 @@ class HuggingFaceCheckpoint(CheckpointReader):
             raise FileNotFoundError(f"No model*.safetensors files found in {ckpt_dir}")
         self.files = {}  # Meta key -> (file name, HF name)
         self.handles = {name: open_safetensors(ckpt_dir / name) for name in files}
-        self.shapes, unknown = {}, []
+        self.shapes, self.dtypes, unknown = {}, {}, []
         for file_name, handle in self.handles.items():
             for hf_name in handle.keys():
                 key = hf_to_meta_name(hf_name)
@@ -397,14 +450,19 @@ class HuggingFaceCheckpoint(CheckpointReader):
                     unknown.append(f"{hf_name} (in {file_name})")
                     continue
                 self.files[key] = (file_name, hf_name)
-                self.shapes[key] = torch.Size(handle.get_slice(hf_name).get_shape())
+                tensor_slice = handle.get_slice(hf_name)
+                self.shapes[key] = torch.Size(tensor_slice.get_shape())
+                if tensor_slice.get_dtype() not in SAFETENSORS_DTYPES:
+                    raise ValueError(
+                        f"{hf_name} in {ckpt_dir / file_name} is stored as {tensor_slice.get_dtype()}; a Llama "
+                        f"checkpoint's weights are floating point ({', '.join(SAFETENSORS_DTYPES)})"
+                    )
+                self.dtypes[key] = SAFETENSORS_DTYPES[tensor_slice.get_dtype()]
         if unknown:
             raise ValueError(f"Unexpected tensors in {ckpt_dir}, not part of a Llama model: {unknown[:10]}")
         if "output.weight" not in self.shapes and self.config.get("tie_word_embeddings"):
             self.params["tie_word_embeddings"] = True
-        first_file, first_name = next(iter(self.files.values()))
-        self.dtype = self.handles[first_file].get_slice(first_name).get_dtype()
-        self.dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(self.dtype, torch.float32)
+        self.dtype = next(iter(self.dtypes.values()), torch.float32)
 
     def source(self, key: str) -> str:
         file_name, hf_name = self.files[key]
@@ -437,28 +495,71 @@ def open_safetensors(path: Path):
 
     try:
         return safe_open(path, framework="pt", device="cpu")
-    except SafetensorError as e:
+    except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(
             f"{path} is not a readable safetensors file ({e}): it is truncated, damaged or of another format. "
             "Download it again."
         ) from e
 
 
+MAX_JSON_DEPTH = 32  # configuration files nest a few levels; json.loads recurses once per level
+
+
 def read_json(path: Union[str, Path]) -> dict:
-    """A JSON object from a file, read through blobfile: a local path or a blobfile URL (gs://, az://)."""
+    """A JSON object from a file, read through blobfile: a local path or a blobfile URL (gs://, az://).
+
+    Raises:
+        FileNotFoundError: when nothing exists at `path`.
+        ValueError: naming `path`, when it cannot be read, is not JSON, nests deeper than `MAX_JSON_DEPTH`, holds
+            a key twice in one object, or is not an object.
+    """
     if not blobfile.exists(str(path)):
         raise FileNotFoundError(f"{path} not found")
     try:
-        data = json.loads(blobfile.read_text(str(path)))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = blobfile.read_text(str(path))
+    except OSError as e:
+        raise ValueError(f"Cannot read {path}: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if json_depth(text) > MAX_JSON_DEPTH:
+        raise ValueError(f"{path} nests arrays and objects deeper than {MAX_JSON_DEPTH} levels; it is not a config")
+    try:
+        data = json.loads(text, object_pairs_hook=object_without_repeated_keys)
+    except ValueError as e:  # JSONDecodeError, a repeated key, an integer of more than 4300 digits
         raise ValueError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, not a JSON {type(data).__name__}")
     return data
 
 
+def json_depth(text: str) -> int:
+    """How deep the arrays and objects of JSON `text` nest, in time linear in its length (for valid JSON; anything
+    else gets a number that json.loads then has its own say on)."""
+    # Escaped backslashes and quotes out first, so that the quotes left delimit strings; outside them, the brackets.
+    outside = "".join(text.replace("\\\\", "").replace('\\"', "").split('"')[0::2])
+    brackets = re.sub(r"[^\[\]{}]", "", outside)
+    return max(itertools.accumulate(map(BRACKET_DEPTH.__getitem__, brackets)), default=0)
+
+
+BRACKET_DEPTH = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def object_without_repeated_keys(pairs: List[Tuple[str, object]]) -> dict:
+    """A JSON object's dict, or a ValueError naming a key it holds twice (json.loads would keep the last silently)."""
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"the key {short_repr(key)} appears twice in one object")
+            seen.add(key)
+    return data
+
+
 def open_checkpoint(ckpt_dir) -> CheckpointReader:
     """Open a Meta (params.json) or Hugging Face (config.json) checkpoint folder."""
+    if not isinstance(ckpt_dir, (str, os.PathLike)):
+        raise ValueError(f"ckpt_dir must be the path of a checkpoint folder, got {short_repr(ckpt_dir)}")
     ckpt_dir = Path(ckpt_dir)
     if ckpt_dir.is_file():
         raise ValueError(f"{ckpt_dir} is a file; pass the folder that holds it (ckpt_dir={ckpt_dir.parent})")
@@ -489,11 +590,19 @@ def find_tokenizer(ckpt_dir, tokenizer_path: Optional[str] = None) -> str:
     raise FileNotFoundError(f"No tokenizer.model found (looked at {', '.join(candidates)}); pass tokenizer_path")
 
 
+# ModelArgs fields that are Llama.build's arguments, never a checkpoint's: ignored in params.json (with a warning).
+BUILD_FIELDS = ("max_batch_size", "max_seq_len")
+
+
 def model_args_from(params: dict, **overrides) -> Tuple[ModelArgs, List[str]]:
-    """ModelArgs for a checkpoint's params.json fields, and the fields that were ignored."""
-    known = {f.name for f in fields(ModelArgs)}
+    """ModelArgs for a checkpoint's params.json fields, and the fields that were ignored: those the model does not
+    have, and `BUILD_FIELDS`."""
+    known = {f.name for f in fields(ModelArgs)} - set(BUILD_FIELDS)
     ignored = sorted(set(params) - known - {"tie_word_embeddings", "quantization"})
-    return ModelArgs(**{k: v for k, v in params.items() if k in known}, **overrides), ignored
+    args = ModelArgs(**{k: v for k, v in params.items() if k in known}, **overrides)
+    if args.head_dim % 2:
+        raise ValueError(f"dim / n_heads = {args.head_dim} is odd; rotary embeddings turn a head's values in pairs")
+    return args, ignored
 
 
 def rank_weights(
@@ -508,7 +617,7 @@ def rank_weights(
     read one at a time as the caller asks for them (the keys and shapes are all checked first).
 
     Raises:
-        ValueError: when keys are missing or unexpected, or a shape does not match the model.
+        ValueError: when keys are missing or unexpected, or a shape or dtype does not match the model.
     """
     available = set(reader.shapes)
     tied = "output.weight" not in available and "output.weight" in expected_shapes
@@ -530,6 +639,8 @@ def rank_weights(
                 f"{key} in {reader.source(key)} has shape {tuple(reader.shapes[key])}, "
                 f"but the model built from the checkpoint's config expects {tuple(full_shape)}"
             )
+        if not (key == "output.weight" and tied):
+            check_stored_dtype(key, reader, expected_shapes)
     embedding = None
     for key in expected_shapes:
         if key == "output.weight" and tied:
@@ -540,6 +651,19 @@ def rank_weights(
         if key == "tok_embeddings.weight":
             embedding = tensor
         yield key, tensor
+
+
+def check_stored_dtype(key: str, reader: CheckpointReader, expected_shapes: Dict[str, torch.Size]) -> None:
+    """Raise a ValueError naming `key` unless it is stored as the model needs it: floating point, or for the weight
+    of a layer a quantized checkpoint stores (it has scales), int8 (int4: two values per uint8, beside zeros)."""
+    stored, layer = reader.dtypes[key], key.removesuffix(".weight")
+    if key.endswith(".weight") and f"{layer}.scales" in expected_shapes:
+        wanted = torch.uint8 if f"{layer}.zeros" in expected_shapes else torch.int8
+        ok, what = stored == wanted, f"{wanted} (quantized values)"
+    else:
+        ok, what = stored.is_floating_point, "floating point"
+    if not ok:
+        raise ValueError(f"{key} in {reader.source(key)} is stored as {stored}, but the model needs it {what}")
 
 
 class AllocateOnMeta(TorchDispatchMode):
@@ -635,10 +759,17 @@ def load_checkpoint(
 ) -> Tuple[Transformer, Tokenizer]:
     """The load sequence of `Llama.build` (see its docstring for the arguments): check the arguments against the
     checkpoint, join the process group, seed, read the tokenizer and this rank's weights."""
-    if not isinstance(max_seq_len, int) or max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
-    if not isinstance(max_batch_size, int) or max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+    if tokenizer_path is not None and not isinstance(tokenizer_path, (str, os.PathLike)):
+        raise ValueError(
+            f"tokenizer_path must be the path of a tokenizer.model file or None, got {short_repr(tokenizer_path)}"
+        )
+    max_seq_len = checked_int("max_seq_len", max_seq_len, 1)
+    max_batch_size = checked_int("max_batch_size", max_batch_size, 1)
+    if model_parallel_size is not None:
+        model_parallel_size = checked_int("model_parallel_size", model_parallel_size, 1)
+    seed = checked_int("seed", seed, -(2**63), 2**64 - 1)  # what torch.manual_seed takes
+    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+        raise ValueError(f"timeout must be a positive datetime.timedelta, got {short_repr(timeout)}")
     device = resolve_device(device)
     reader = open_checkpoint(ckpt_dir)
     tokenizer_path = find_tokenizer(ckpt_dir, tokenizer_path)
@@ -664,7 +795,11 @@ def load_checkpoint(
     torch.manual_seed(seed)  # the same in all processes: they must sample the same tokens
     logger.info("Loading a %s checkpoint from %s", "Meta" if reader.format == "meta" else "Hugging Face", ckpt_dir)
     if ignored:
-        logger.warning("Ignoring unknown checkpoint parameters: %s", ignored)
+        logger.warning(
+            "Ignoring checkpoint parameters %s: unknown to the model, or (%s) set by Llama.build's arguments",
+            ignored,
+            ", ".join(BUILD_FIELDS),
+        )
 
     tokenizer = Tokenizer(tokenizer_path, version=version or ("3.1" if model_args.use_scaled_rope else "3"))
     if model_args.vocab_size != tokenizer.n_words:
@@ -678,6 +813,15 @@ def load_checkpoint(
     if global_rank() == 0:  # the reference prints this line; other processes load the same way, silently
         print(f"Loaded in {time.time() - start_time:.2f} seconds")
     return model, tokenizer
+
+
+def checked_int(name: str, value, low: int, high: Optional[int] = None) -> int:
+    """`value` as a Python int, or a ValueError naming the argument `name` unless it is an int (numpy integers too;
+    not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= (high or value):
+        wanted = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+        raise ValueError(f"{name} must be {wanted}, got {short_repr(value)}")
+    return int(value)
 
 
 def check_quantize_matches(quantize: Optional[str], saved_scheme: str, ckpt_dir) -> None:

@@ -8,6 +8,8 @@ it; it needs no `Llama` itself, so it can be driven (and tested) with any model 
 import codecs
 import functools
 import itertools
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 
 from llama.model import Transformer
 from llama.parallel_layers import use_parallel_layers
-from llama.tokenizer import StopReason, Tokenizer, ToolCall
+from llama.tokenizer import StopReason, Tokenizer, ToolCall, short_repr, token_id_list
 
 # A one-token step: (tokens (bsz, 1), position as a one-element tensor) -> logits (bsz, 1, vocab_size).
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -106,7 +108,10 @@ class BatchDecoder:
         """Check the arguments and lay out the batch."""
         params = self.model.params
         check_sampling(temperature, top_p, max_gen_len)
-        if any(not isinstance(t, (list, tuple)) for t in prompt_tokens):
+        if max_gen_len is None:
+            raise ValueError("max_gen_len must be an integer here; Llama's methods read None as max_seq_len - 1")
+        max_gen_len = int(max_gen_len)
+        if not isinstance(prompt_tokens, (list, tuple)) or any(not isinstance(t, (list, tuple)) for t in prompt_tokens):
             raise ValueError("prompt_tokens must be a list of token-ID lists; wrap a single prompt in a list")
         bsz = len(prompt_tokens)
         if bsz == 0:
@@ -121,11 +126,9 @@ class BatchDecoder:
                     f"Prompt {i} is {len(t)} tokens long, longer than max_seq_len={params.max_seq_len}; "
                     "shorten it or raise max_seq_len"
                 )
-            outside = [x for x in t if not (isinstance(x, int) and 0 <= x < params.vocab_size)]
-            if outside:
-                raise ValueError(
-                    f"Prompt {i} has token IDs outside the vocabulary [0, {params.vocab_size}): {outside[:5]}"
-                )
+        prompt_tokens = [
+            token_id_list(t, params.vocab_size, where=f"Prompt {i}: ") for i, t in enumerate(prompt_tokens)
+        ]
         total_len = min(params.max_seq_len, max_gen_len + max(len(t) for t in prompt_tokens))
         tokens = torch.full((bsz, total_len), self.tokenizer.pad_id, dtype=torch.long, device=self.device)
         for k, t in enumerate(prompt_tokens):
@@ -160,12 +163,7 @@ class BatchDecoder:
                 logits = self.decode_step(tokens[:, prev_pos:cur_pos], position)
             else:
                 logits = self.model.forward(tokens[:, prev_pos:cur_pos], prev_pos, last_logits_only=not want_logprobs)
-            if temperature > 0:
-                probs = torch.softmax(logits[:, -1] / temperature, dim=-1)
-                next_token = sample_top_p(probs, top_p)
-            else:
-                next_token = greedy_pick(logits[:, -1])
-            next_token = next_token.reshape(-1)
+            next_token = sample_next(logits[:, -1], temperature, top_p).reshape(-1)
             # Rows whose prompt reaches this far keep their prompt token: the others' sample is not theirs.
             next_token = torch.where(is_prompt[:, cur_pos], tokens[:, cur_pos], next_token)
             tokens[:, cur_pos] = next_token
@@ -210,13 +208,58 @@ class BatchDecoder:
 
 
 def check_sampling(temperature: float, top_p: float, max_gen_len: Optional[int]) -> None:
-    """Raise a ValueError naming the sampling argument that cannot work (max_gen_len None: as long as fits)."""
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {temperature!r}")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
-    if max_gen_len is not None and (not isinstance(max_gen_len, int) or max_gen_len < 0):
-        raise ValueError(f"max_gen_len must be a non-negative integer, got {max_gen_len!r}")
+    """Raise a ValueError naming the sampling argument that cannot work (max_gen_len None: as long as fits).
+
+    temperature and top_p are real numbers (a float, an int, a numpy float; not a bool), temperature finite and
+    >= 0, top_p in (0, 1]; max_gen_len is as `checked_gen_len` takes it.
+    """
+    value = as_float(temperature)
+    if value is None or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {short_repr(temperature)}")
+    value = as_float(top_p)
+    if value is None or not 0 < value <= 1:
+        raise ValueError(f"top_p must be a number in (0, 1], got {short_repr(top_p)}")
+    checked_gen_len(max_gen_len)
+
+
+def checked_gen_len(max_gen_len: Optional[int]) -> Optional[int]:
+    """`max_gen_len` as a Python int (None stays None), or a ValueError unless it is an int >= 0 (numpy integers
+    too; not a bool)."""
+    if max_gen_len is None:
+        return None
+    if isinstance(max_gen_len, bool) or not isinstance(max_gen_len, numbers.Integral) or max_gen_len < 0:
+        raise ValueError(f"max_gen_len must be a non-negative integer or None, got {short_repr(max_gen_len)}")
+    return int(max_gen_len)
+
+
+def as_float(value) -> Optional[float]:
+    """`value` as a float when it is a real number (not a bool) that a float can hold, else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except (OverflowError, ValueError):  # e.g. 10**400
+        return None
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Each row's next token from its logits (bsz, vocab_size): `greedy_pick` at temperature 0, else a draw of
+    `sample_top_p` from softmax(logits / temperature), as Meta's reference does. Returns (bsz, 1).
+
+    As the temperature goes to 0 the distribution narrows to the greedy token. A temperature so small that
+    logits / temperature overflows float32 (1e-300 does for any logit) leaves the softmax nothing but NaN, a
+    distribution no draw can come from; such a row takes its greedy token, the limit, instead of a torch error.
+    """
+    if temperature == 0:
+        return greedy_pick(logits).reshape(-1, 1)
+    probs = torch.softmax(logits / float(temperature), dim=-1)
+    drawable = ~torch.isnan(probs).any(dim=-1)
+    if bool(drawable.all()):
+        return sample_top_p(probs, float(top_p))
+    next_token = greedy_pick(logits).reshape(-1, 1)
+    if bool(drawable.any()):
+        next_token[drawable] = sample_top_p(probs[drawable], float(top_p))
+    return next_token
 
 
 def greedy_pick(logits: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from llama.checkpoint import load_checkpoint
 from llama.cpu import speed_up_for_cpu
 from llama.cuda_graphs import CUDAGraphDecodeStep, use_cuda_graphs
-from llama.decoding import BatchDecoder, StopReason, StreamChunk, compiled_decode_step
+from llama.decoding import BatchDecoder, StopReason, StreamChunk, checked_gen_len, compiled_decode_step
 from llama.model import Transformer
 from llama.parallel_layers import use_parallel_layers
 from llama.quantize import choose_int8_kernels
@@ -237,7 +237,8 @@ class Llama:
         return {"tokens": [self.tokenizer.decode([x]) for x in tokens], "logprobs": logprobs}
 
     def _gen_len(self, max_gen_len: Optional[int]) -> int:
-        """max_gen_len, where None means as many tokens as the context allows (max_seq_len - 1)."""
+        """max_gen_len as an int, where None means as many tokens as the context allows (max_seq_len - 1)."""
+        max_gen_len = checked_gen_len(max_gen_len)
         return self.model.params.max_seq_len - 1 if max_gen_len is None else max_gen_len
 
 

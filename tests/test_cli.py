@@ -78,9 +78,9 @@ def test_example_stops_on_a_mistyped_flag_before_loading(tiny_checkpoint, tokeni
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--temperature", "-1"], "error: --temperature must be a number >= 0 (0 means greedy), got -1\n"),
+        (["--temperature", "-1"], "error: --temperature must be a finite number >= 0 (0 means greedy), got -1\n"),
         (["--top_p", "0"], "error: --top_p must be a number in (0, 1], got 0\n"),
-        (["--max_gen_len", "-1"], "error: --max_gen_len must be a non-negative integer, got -1\n"),
+        (["--max_gen_len", "-1"], "error: --max_gen_len must be a non-negative integer or None, got -1\n"),
     ],
 )
 def test_sampling_flags_are_checked_before_the_checkpoint(flags, message):

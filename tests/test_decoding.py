@@ -107,3 +107,17 @@ def test_bad_batches_are_refused_before_decoding():
     with pytest.raises(ValueError, match="top_p"):
         decoder.run([[1]], 2, 0.5, 0.0, False, False)
     assert model.fed == []
+
+
+def test_sample_next_falls_back_to_greedy_only_in_rows_that_overflow():
+    from llama.decoding import sample_next, sample_top_p
+
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5], [1e30, 2e30, 0.0, -1e30]])
+    # At 1e-9, row 0's scaled logits (about 3e9) are finite and the draw is certain; row 1's overflow to inf.
+    assert sample_next(logits, 1e-9, 0.9).tolist() == [[2], [1]]
+    # Where nothing overflows, the draw is Meta's: softmax(logits / temperature), then sample_top_p, same generator.
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(5)
+    ours = sample_next(logits, 0.6, 0.9)
+    torch.manual_seed(5)
+    assert torch.equal(ours, sample_top_p(torch.softmax(logits / 0.6, dim=-1), 0.9))

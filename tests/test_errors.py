@@ -255,3 +255,50 @@ def test_bad_sampling_parameters(tiny_llama, kwargs, words):
         with pytest.raises(ValueError) as e:
             call()
         assert all(w in str(e.value) for w in words), f"{name}: {e.value}"
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"temperature": float("nan")}, ["temperature", "nan"]),
+        ({"temperature": float("inf")}, ["temperature", "inf"]),
+        ({"temperature": 10**400}, ["temperature", "finite"]),
+        ({"temperature": True}, ["temperature", "True"]),
+        ({"temperature": None}, ["temperature", "None"]),
+        ({"temperature": "0.6"}, ["temperature", "'0.6'"]),
+        ({"top_p": True}, ["top_p", "True"]),
+        ({"top_p": float("nan")}, ["top_p", "nan"]),
+        ({"top_p": None}, ["top_p", "None"]),
+        ({"max_gen_len": True}, ["max_gen_len", "True"]),
+        ({"max_gen_len": 2.0}, ["max_gen_len", "2.0"]),
+    ],
+)
+def test_sampling_parameters_of_the_wrong_kind(tiny_llama, kwargs, words):
+    """NaN was accepted, top_p=True crashed in torch, max_gen_len=True generated one token."""
+    test_bad_sampling_parameters(tiny_llama, kwargs, words)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_bools_are_not_token_ids(tiny_llama, flag):
+    """They were taken as token IDs 1 and 0."""
+    with pytest.raises(ValueError, match=rf"Prompt 0: token ID {flag} at position 1 is not an int"):
+        tiny_llama.generate([[BOS, flag]], max_gen_len=1)
+
+
+def test_numpy_integers_are_token_ids_and_lengths(tiny_llama):
+    import numpy as np
+
+    prompt = [BOS, 9906, 1917]
+    expected = tiny_llama.generate([prompt], max_gen_len=4, temperature=0)
+    assert tiny_llama.generate([list(np.array(prompt))], max_gen_len=np.int64(4), temperature=0) == expected
+    assert tiny_llama.generate([[np.int32(x) for x in prompt]], max_gen_len=4, temperature=np.float64(0.0)) == expected
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 5e-39, 1e-30])
+def test_a_tiny_temperature_decodes_greedily(tiny_llama, temperature):
+    """logits / 1e-300 overflows float32: the softmax was all NaN and torch.multinomial raised."""
+    prompts = [[BOS, 9906, 1917], [BOS, 791]]
+    greedy = tiny_llama.generate(prompts, max_gen_len=6, temperature=0)
+    assert tiny_llama.generate(prompts, max_gen_len=6, temperature=temperature) == greedy
+    streamed = ["".join(c.text for c in tiny_llama.text_completion_stream(["Hello"], temperature, max_gen_len=4))]
+    assert streamed == [r["generation"] for r in tiny_llama.text_completion(["Hello"], 0, max_gen_len=4)]

@@ -5,6 +5,7 @@ Golden IDs come from the reference's own test and from an independent implementa
 Runs under pytest and under `python -m unittest discover -s tests`.
 """
 
+import base64
 import functools
 import random
 import shutil
@@ -336,6 +337,135 @@ class FileTest(unittest.TestCase):
                 message = "not a tiktoken BPE file.*<base64 token> <rank>"
                 with self.subTest(problem), self.assertRaisesRegex(ValueError, message):
                     Tokenizer(str(path))
+
+
+def byte_lines(count: int = 256) -> list[bytes]:
+    """Lines "<base64 of byte i> i" for the first `count` bytes: the start of any byte-level BPE file."""
+    return [base64.b64encode(bytes([i])) + b" %d" % i for i in range(count)]
+
+
+class ValidatedFileTest(unittest.TestCase):
+    """A tokenizer.model whose ranks are not exactly 0 to n - 1, each token once, is refused with the file's path
+    and its first bad line: tiktoken would panic (a BaseException), overflow, or load it with IDs that collide."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.path = Path(self.tmp.name) / "tokenizer.model"
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def refused(self, lines: list[bytes], *message_parts: str) -> str:
+        self.path.write_bytes(b"\n".join(lines) + b"\n")
+        with self.assertRaises(ValueError) as caught:
+            Tokenizer(str(self.path))
+        message = str(caught.exception)
+        for part in (str(self.path), *message_parts):
+            self.assertIn(part, message)
+        return message
+
+    def test_a_rank_used_twice(self):
+        # The issue's case: tiktoken's Rust core panics on it.
+        self.refused(byte_lines() + [b"SGk= 256", b"SGV5 5"], "line 258", "rank 5, which line 6 has too")
+
+    def test_a_rank_gap(self):
+        # Ranks 0..255, then 257: the last ordinary token would get ID 257, <|begin_of_text|>'s.
+        self.refused(byte_lines() + [b"SGk= 257"], "line 257", "rank 257, outside 0 to 256")
+
+    def test_a_token_listed_twice(self):
+        self.refused(byte_lines() + [b"SGk= 256", b"SGk= 257"], "line 258", "the token of line 257 again")
+
+    def test_negative_and_huge_ranks(self):
+        self.refused(byte_lines() + [b"SGk= -1"], "line 257", "rank that is not a whole number")
+        self.refused(byte_lines() + [b"SGk= " + b"9" * 5000], "line 257", "outside 0 to 256")
+        self.refused(byte_lines() + [b"SGk= %d" % 2**64], "line 257", "outside 0 to 256")
+
+    def test_a_line_that_is_not_two_fields(self):
+        # Field counts that add up (one field, then three) must not pair a token with the next line's rank.
+        self.refused(byte_lines() + [b"SGk=", b"256 SGV5 257"], "line 257", "exactly two fields")
+
+    def test_a_token_that_is_not_strict_base64(self):
+        self.refused(byte_lines() + [b"SG!k= 256"], "line 257", "not base64")
+
+    def test_a_missing_single_byte(self):
+        lines = byte_lines()
+        del lines[65]  # "A"; the ranks after it move down to stay 0..254
+        lines = [line.split()[0] + b" %d" % i for i, line in enumerate(lines)]
+        self.refused(lines, "no token for 1 of the 256 bytes", "b'A'")
+
+    def test_an_empty_file(self):
+        self.path.write_bytes(b"")
+        with self.assertRaisesRegex(ValueError, "no token for 256 of the 256 bytes"):
+            Tokenizer(str(self.path))
+
+    def test_the_real_file_with_a_duplicated_rank(self):
+        lines = Path(find_tokenizer_path()).read_bytes().splitlines()
+        lines[-1] = lines[-1].split()[0] + b" 0"
+        self.refused(lines, "line 128000", "rank 0, which line 1 has too")
+
+    def test_any_layout_tiktoken_reads_loads_the_same_ranks(self):
+        # Lines in another order, CRLF endings, tabs and empty lines: read line by line, same ranks as tiktoken.
+        from tiktoken.load import load_tiktoken_bpe
+
+        lines = byte_lines() + [b"SGk= 256", b"ZXk= 257"]  # "Hi", "ey"
+        random.Random(0).shuffle(lines)
+        self.path.write_bytes(b"\r\n".join(line.replace(b" ", b"\t") for line in lines) + b"\r\n\r\n")
+        self.assertEqual(load_bpe_ranks(str(self.path)), load_tiktoken_bpe(str(self.path)))
+        tokenizer = Tokenizer(str(self.path))
+        self.assertEqual((tokenizer.n_words, tokenizer.bos_id), (258 + 256, 258))
+        self.assertEqual(tokenizer.encode("Hi hey", bos=False, eos=False), [256, 32, 104, 257])
+
+    def test_a_file_that_cannot_be_read(self):
+        from unittest import mock
+
+        import llama.tokenizer
+
+        self.path.write_bytes(b"\n".join(byte_lines()) + b"\n")
+        denied = PermissionError(13, "Permission denied")
+        with mock.patch.object(llama.tokenizer.blobfile, "read_bytes", side_effect=denied):
+            with self.assertRaisesRegex(ValueError, f"Cannot read the tokenizer model file {self.path}.*denied"):
+                Tokenizer(str(self.path))
+
+    def test_a_path_that_is_not_a_path(self):
+        for path in (None, 3, b"tokenizer.model"):
+            with self.subTest(path=path), self.assertRaisesRegex(ValueError, "model_path must be the path"):
+                Tokenizer(path)
+        with self.assertRaisesRegex(FileNotFoundError, "not found: tokenizer\0.model"):
+            Tokenizer("tokenizer\0.model")
+
+
+class DecodeIdsTest(unittest.TestCase):
+    """`decode` and `decode_bytes` take token IDs only: a ValueError names anything else (tiktoken raised KeyError,
+    OverflowError or TypeError), and numpy integers work like ints."""
+
+    def test_ids_outside_the_vocabulary(self):
+        tokenizer = load_tokenizer("3")
+        for bad in (-1, 128256, 2**32, 2**64, 10**5000):
+            for decode in (tokenizer.decode, tokenizer.decode_bytes):
+                with self.subTest(bad=bad, decode=decode.__name__), self.assertRaises(ValueError) as caught:
+                    decode([9906, bad])
+                message = str(caught.exception)
+                self.assertIn(f"Tokenizer.{decode.__name__}: token ID ", message)
+                self.assertIn("at position 1 is outside the vocabulary [0, 128256)", message)
+                self.assertIn(str(bad) if bad < 10**100 else "an int of 16610 bits", message)
+
+    def test_ids_that_are_not_ints(self):
+        import numpy as np
+
+        tokenizer = load_tokenizer("3")
+        for bad in (True, False, 9906.0, "9906", None, np.bool_(True), np.float32(1.0)):
+            with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, r"token ID .* at position 0 is not an int"):
+                tokenizer.decode([bad])
+        with self.assertRaisesRegex(ValueError, "token IDs must be a sequence of ints, got 9906"):
+            tokenizer.decode(9906)
+
+    def test_numpy_integers_are_token_ids(self):
+        import numpy as np
+
+        tokenizer = load_tokenizer("3")
+        self.assertEqual(tokenizer.decode([np.int64(9906), np.int32(1917)]), "Hello world")
+        self.assertEqual(tokenizer.decode_bytes(np.array([9906, 1917])), b"Hello world")
+        self.assertEqual(tokenizer.decode([128000]), "<|begin_of_text|>")
 
 
 class ErrorTest(unittest.TestCase):
