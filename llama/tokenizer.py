@@ -539,10 +539,9 @@ def parse_tool_calls(text: str, python_tag: bool = False) -> list[ToolCall]:
 
 
 _ASSISTANT_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
-# A built-in search tool's call; any word before ".call" is taken as the tool's name.
+# A built-in search tool's call; any word before ".call" is taken as the tool's name. Linear in the text: `\b\w+`
+# starts only at a word's first character, and `[^"]*` gives up at the first quote.
 _BUILTIN_CALL = re.compile(r'\b(?P<tool_name>\w+)\.call\(query="(?P<query>[^"]*)"\)')
-# <function=name>{...}: the arguments up to the first "}" (a nested object is then read in full, see below).
-_FUNCTION_TAG = re.compile(r"<function=(?P<name>[^}]+)>(?P<args>{.*?})")
 _Calls = Optional[list[tuple[str, dict]]]
 
 
@@ -584,10 +583,11 @@ def _python_value(value: Any) -> str:
 
 def _custom_tool_calls(text: str) -> _Calls:
     """Calls in one of the custom-tool forms (function tag, JSON object, Python list), or None."""
-    match = _FUNCTION_TAG.search(text)
-    if match:
-        arguments = _tag_arguments(text, match)
-        calls = None if arguments is None else [(match["name"], arguments)]
+    tag = _function_tag(text)
+    if tag:
+        name, args_start, args_end = tag
+        arguments = _tag_arguments(text, args_start, args_end)
+        calls = None if arguments is None else [(name, arguments)]
     elif (obj := _json_object(text)) is not None:
         calls = None
         if obj.get("type") == "function" or "name" in obj:
@@ -609,13 +609,38 @@ def _builtin_as_called(name: str, arguments: dict) -> Optional[tuple[str, dict]]
     return (name, {"query": next(iter(arguments.values()))}) if arguments else None
 
 
-def _tag_arguments(text: str, match: re.Match) -> Optional[dict]:
-    """The JSON object after `<function=name>`: as matched, else read in full from its "{" (the match ends at the
-    first "}", inside any nested object), else with single quotes read as double ones."""
+def _function_tag(text: str) -> Optional[tuple[str, int, int]]:
+    """The first `<function=name>{...}` in `text`: the name, and where its arguments start ("{") and end (after the
+    first "}"); None if there is none.
+
+    What llama-models' pattern `<function=([^}]+)>({.*?})` finds, read in one pass instead of by a backtracking
+    regex (which takes minutes on a few kB of repeated `<function=x>{`). For a `<function=` the name runs to the
+    first "}" after it at most, so the arguments end at that "}"; the greedy name makes them start at the last ">{"
+    before it, and they may not hold a line break (`.` does not match one). When that fails, every later
+    `<function=` before the same "}" fails too, so the search goes on after it.
+    """
+    prefix = "<function="
+    start = text.find(prefix)
+    while start >= 0:
+        name_start = start + len(prefix)
+        close = text.find("}", name_start)
+        if close < 0:
+            return None
+        opening = text.rfind(">{", name_start + 1, close)  # the name has at least one character
+        if opening >= 0 and text.find("\n", opening + 2, close) < 0:
+            return text[name_start:opening], opening + 1, close + 1
+        start = text.find(prefix, close + 1)
+    return None
+
+
+def _tag_arguments(text: str, args_start: int, args_end: int) -> Optional[dict]:
+    """The JSON object at `text[args_start:args_end]`, after `<function=name>`: as it is, else read in full from its
+    "{" (it ends at the first "}", inside any nested object), else with single quotes read as double ones."""
+    args = text[args_start:args_end]
     attempts = (
-        lambda: json.loads(match["args"]),
-        lambda: json.JSONDecoder().raw_decode(text, match.start("args"))[0],
-        lambda: json.loads(match["args"].replace("'", '"')),
+        lambda: json.loads(args),
+        lambda: json.JSONDecoder().raw_decode(text, args_start)[0],
+        lambda: json.loads(args.replace("'", '"')),
     )
     for attempt in attempts:
         try:
