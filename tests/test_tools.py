@@ -799,6 +799,80 @@ def test_malformed_tools_are_value_errors(kwargs, error):
         Tool(**{"name": "f", "description": "d", "function": add, "parameters": {}, **kwargs})
 
 
+def circular_list() -> list:
+    items = [1]
+    items.append(items)
+    return items
+
+
+def nested_list(depth: int) -> list:
+    items = []
+    for _ in range(depth):
+        items = [items]
+    return items
+
+
+@pytest.mark.parametrize(
+    "default", [object(), {1, 2}, b"bytes", float("nan"), float("inf"), circular_list(), nested_list(100_000)]
+)
+def test_a_default_that_is_not_json_is_refused_when_the_tool_is_made(default):
+    param = {"param_type": "str", "description": "x", "default": default, "required": False}
+    with pytest.raises(ValueError, match="parameter 'a': the default, a .*, cannot be written as JSON"):
+        Tool("f", "d", add, {"a": param})
+    for describe in (json_tools_prompt, function_tag_tools_prompt, python_list_tools_prompt):  # definitions too
+        with pytest.raises(ValueError, match="cannot be written as JSON"):
+            describe([{"name": "f", "description": "d", "parameters": {"a": param}}])
+
+
+class Unprintable:
+    def __str__(self):
+        raise RuntimeError("no text for this")
+
+
+@pytest.mark.parametrize("result", [circular_list(), {"a": Unprintable()}, nested_list(100_000)])
+def test_a_result_that_cannot_be_written_comes_back_as_an_error(result):
+    tool = Tool("odd", "Returns something JSON cannot hold", lambda: result)
+    assert run_tool_call({"tool_name": "odd", "arguments": {}}, [tool]).startswith(
+        "Error: the result of odd cannot be written as JSON: "
+    )
+
+
+def test_a_definition_without_parameters_has_none(tok):
+    bare = {"name": "ping", "description": "Check the service"}
+    empty = {**bare, "parameters": {}}
+    for describe in (json_tools_prompt, function_tag_tools_prompt, python_list_tools_prompt):
+        assert describe([bare]) == describe([empty])
+        assert describe([bare]) == describe([Tool("ping", "Check the service", lambda: "pong")])
+    for tool_format in ("json", "function_tag", "python_list"):
+        assert tool_messages([bare], tool_format=tool_format, today="x") == tool_messages(
+            [empty], tool_format=tool_format, today="x"
+        )
+    assert bare == {"name": "ping", "description": "Check the service"}  # the caller's dict is left as it is
+    assert '"parameters": {\n            "type": "dict",\n            "required": [],\n            "properties": {}' in (
+        python_list_tools_prompt([bare])
+    )
+
+
+@pytest.mark.parametrize(
+    "tools, error",
+    [
+        ([TRENDING_SONGS], "Only Tool objects can be run, got a dict: a definition has no function to run"),
+        ([TOOLS[0], "add"], "Only Tool objects can be run, got a str"),
+        (TOOLS[0], "wrap a single tool in a list"),
+        ({"add": TOOLS[0]}, "wrap a single tool in a list"),
+        (None, "tools must be a list of tools, got NoneType"),
+        ([TOOLS[0], Tool("add", "another add", add)], "Two tools are named 'add'"),
+    ],
+)
+def test_run_tool_call_refuses_tools_it_cannot_run(tok, tools, error):
+    with pytest.raises(ValueError, match=error):
+        run_tool_call({"tool_name": "add", "arguments": {"a": 1}}, tools)
+    generator = StandInGenerator(tok, ["Hello.<|eot_id|>"])
+    with pytest.raises(ValueError, match=error):  # before the model is asked anything
+        chat_with_tools(generator, QUESTION, tools)
+    assert generator.prompts == []
+
+
 class StandInGenerator:
     """Answers each `chat_completion` with the next of `answers` (what the model would write, special tokens
     included), read as `Llama.chat_completion` reads it; keeps every prompt it was given."""
