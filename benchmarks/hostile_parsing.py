@@ -41,10 +41,10 @@ def shapes(size: int) -> dict:
         "one call, 16k arguments": repeated("x=1,", size, "[f(", ")]"),
         "statements": repeated("j,;", size),
         "unary minus nested": repeated("-", size, "[f(x=", "1)]"),
-        "x.call(query=\" repeated": repeated('x.call(query="', size),
+        'x.call(query=" repeated': repeated('x.call(query="', size),
         "one long word before .call": repeated("a", size, after='.call(query="'),
         "python tag + <function=x>{": repeated("<function=x>{", size, "<|python_tag|>"),
-        "mixed fragments": repeated("<function=[f({\"a\": 'b.call(query=\"", size),
+        "mixed fragments": repeated('<function=[f({"a": \'b.call(query="', size),
     }
 
 

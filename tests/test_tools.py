@@ -11,6 +11,7 @@ import importlib.util
 import json
 import random
 import string
+import time
 from datetime import date
 from pathlib import Path
 
@@ -316,6 +317,39 @@ def test_reading_never_raises(tok):
         message = chat.decode_assistant_message_from_content(text, rng.choice(["end_of_turn", "length"]))
         assert isinstance(message["content"], str)
         assert isinstance(message["tool_calls"], list)
+
+
+# Answers built to make a backtracking parser hang. The pattern this library used to read <function=...> with (it is
+# llama-models') took 6 s on 800 repeats of "<function=x>{" and grew with the cube of the length: the first shape
+# would take over half an hour; the quadratic ones (1 MB each) several minutes. Read in linear time, each takes
+# milliseconds; the bound only catches a return of the backtracking. benchmarks/hostile_parsing.py times more shapes.
+HOSTILE_ANSWERS = [
+    ("<function=x>{" * 5_000, []),
+    ("<function=" * 100_000, []),
+    ("<function=" + ">{" * 500_000, []),
+    ("<function=x>{\n" * 70_000 + "}", []),
+    ("<|python_tag|>" + "<function=x>{" * 5_000, [("code_interpreter", {"code": "<function=x>{" * 5_000})]),
+    ('x.call(query="' * 70_000, []),
+]
+
+
+@pytest.mark.parametrize("text, calls", HOSTILE_ANSWERS, ids=["brace", "tag", "tag_brace", "newlines", "python_tag",
+                                                              "builtin"])  # fmt: skip
+def test_hostile_answers_are_read_in_linear_time(tok, text, calls):
+    start = time.perf_counter()
+    message = ChatFormat(tok).decode_assistant_message_from_content(text, "end_of_turn")
+    assert time.perf_counter() - start < 3.0
+    assert calls_of(message) == calls
+    assert message["content"] == ("" if calls else text)
+
+
+def test_a_function_tag_is_found_after_hostile_text(tok):
+    text = "<function=" * 50_000 + "} " + '<function=get_weather>{"city": "Paris"}</function>'
+    start = time.perf_counter()
+    message = ChatFormat(tok).decode_assistant_message_from_content(text, "end_of_turn")
+    assert time.perf_counter() - start < 3.0
+    # No <function= before the first "}" has a ">{" to open its arguments; the call after it is read.
+    assert calls_of(message) == [("get_weather", {"city": "Paris"})]
 
 
 def test_call_ids_are_fresh(tok):
@@ -848,9 +882,8 @@ def test_a_definition_without_parameters_has_none(tok):
             [empty], tool_format=tool_format, today="x"
         )
     assert bare == {"name": "ping", "description": "Check the service"}  # the caller's dict is left as it is
-    assert '"parameters": {\n            "type": "dict",\n            "required": [],\n            "properties": {}' in (
-        python_list_tools_prompt([bare])
-    )
+    listed = json.loads(python_list_tools_prompt([bare]).split("\n\n")[-1])
+    assert listed == [{**bare, "parameters": {"type": "dict", "required": [], "properties": {}}}]
 
 
 @pytest.mark.parametrize(
