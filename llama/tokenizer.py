@@ -4,7 +4,7 @@ import json
 import re
 import uuid
 import warnings
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from logging import getLogger
 from pathlib import Path
@@ -309,7 +309,9 @@ class ChatFormat:
             ValueError: If `tool_prompt_format` is not one of `TOOL_PROMPT_FORMATS`.
         """
         if tool_prompt_format not in TOOL_PROMPT_FORMATS:
-            raise ValueError(f"Unknown tool_prompt_format {tool_prompt_format!r}; use one of {TOOL_PROMPT_FORMATS}")
+            raise ValueError(
+                f"Unknown tool_prompt_format {short_repr(tool_prompt_format)}; use one of {TOOL_PROMPT_FORMATS}"
+            )
         self.tokenizer = tokenizer
         self.tool_prompt_format = tool_prompt_format
         self.strip_content = strip_content
@@ -333,7 +335,7 @@ class ChatFormat:
         if role not in allowed:
             needs_31 = role in _ROLES["3.1"]
             hint = f' (the "{role}" role needs a Tokenizer with version="3.1")' if needs_31 else ""
-            raise ValueError(f"Unknown message role {role!r}; allowed roles are {list(allowed)}{hint}")
+            raise ValueError(f"Unknown message role {short_repr(role)}; allowed roles are {list(allowed)}{hint}")
         tokens = [self.tokenizer.special_tokens["<|start_header_id|>"]]
         tokens.extend(self.tokenizer.encode("ipython" if role == "tool" else role, bos=False, eos=False))
         tokens.append(self.tokenizer.special_tokens["<|end_header_id|>"])
@@ -360,8 +362,7 @@ class ChatFormat:
                 or its tool calls or stop reason are malformed or need Llama 3.1 tokens.
         """
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            shown = repr(message) if len(repr(message)) <= 200 else repr(message)[:200] + "..."
-            raise ValueError(f"A message must be a dict with a 'role' and a 'content'; got {shown}")
+            raise ValueError(f"A message must be a dict with a 'role' and a 'content'; got {short_repr(message)}")
         tokens = self.encode_header(message)
         content = message["content"]
         if not isinstance(content, str):
@@ -387,8 +388,13 @@ class ChatFormat:
             list[int]: The prompt's token IDs.
 
         Raises:
-            ValueError: If a message cannot be encoded (see `encode_message`).
+            ValueError: If `dialog` is not a list of messages, or a message cannot be encoded (see
+                `encode_message`).
         """
+        if isinstance(dialog, dict):
+            raise ValueError("A dialog is a list of messages; wrap a single message in a list")
+        if isinstance(dialog, (str, bytes)) or not isinstance(dialog, Iterable):
+            raise ValueError(f"A dialog must be a list of messages, got {type(dialog).__name__}")
         tokens = [self.tokenizer.special_tokens["<|begin_of_text|>"]]
         for message in dialog:
             tokens.extend(self.encode_message(message))
@@ -436,7 +442,7 @@ class ChatFormat:
             ValueError: If `stop_reason` is not one of `STOP_REASONS` or `content` is not a str.
         """
         if stop_reason not in STOP_REASONS:
-            raise ValueError(f"stop_reason must be one of {STOP_REASONS}, got {stop_reason!r}")
+            raise ValueError(f"stop_reason must be one of {STOP_REASONS}, got {short_repr(stop_reason)}")
         if not isinstance(content, str):
             raise ValueError(f"content must be a str, got {type(content).__name__}")  # noqa: TRY004
         content = content.strip(" ")
@@ -465,17 +471,19 @@ def check_tool_call(call: ToolCall) -> None:
     built-in search tools need a "query" argument, the code interpreter a "code" argument that is a str.
     """
     if not isinstance(call, dict):
-        raise ValueError(f"A tool call must be a dict with 'tool_name' and 'arguments', got {call!r:.200}")
+        raise ValueError(f"A tool call must be a dict with 'tool_name' and 'arguments', got {short_repr(call)}")
     name = call.get("tool_name")
     if not isinstance(name, str) or not name:
-        raise ValueError(f"A tool call needs a 'tool_name' that is a non-empty str; got {call!r:.200}")
+        raise ValueError(f"A tool call needs a 'tool_name' that is a non-empty str; got {short_repr(call)}")
     arguments = call.get("arguments")
     if not isinstance(arguments, dict):
-        raise ValueError(f"The call to {name!r} needs 'arguments' that is a dict, got {arguments!r:.200}")
+        raise ValueError(f"The call to {name!r} needs 'arguments' that is a dict, got {short_repr(arguments)}")
     if name in _QUERY_TOOLS and "query" not in arguments:
-        raise ValueError(f"The call to the built-in tool {name!r} needs a 'query' argument, got {arguments!r:.200}")
+        raise ValueError(
+            f"The call to the built-in tool {name!r} needs a 'query' argument, got {short_repr(arguments)}"
+        )
     if name == "code_interpreter" and not isinstance(arguments.get("code"), str):
-        raise ValueError(f"The call to 'code_interpreter' needs a 'code' argument (a str), got {arguments!r:.200}")
+        raise ValueError(f"The call to 'code_interpreter' needs a 'code' argument (a str), got {short_repr(arguments)}")
 
 
 def encode_tool_call(call: ToolCall, tool_prompt_format: str = "json") -> str:
@@ -508,11 +516,16 @@ def encode_tool_call(call: ToolCall, tool_prompt_format: str = "json") -> str:
             return json.dumps({"type": "function", "name": name, "parameters": arguments})
         if tool_prompt_format == "function_tag":
             return f"<function={name}>{json.dumps(arguments)}</function>"
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise ValueError(f"The arguments of the call to {name!r} cannot be written as JSON: {e}") from None
     if tool_prompt_format == "python_list":
-        return f"[{name}({', '.join(f'{key}={_python_value(value)}' for key, value in arguments.items())})]"
-    raise ValueError(f"Unknown tool_prompt_format {tool_prompt_format!r}; use one of {TOOL_PROMPT_FORMATS}")
+        try:
+            return f"[{name}({', '.join(f'{key}={_python_value(value)}' for key, value in arguments.items())})]"
+        except RecursionError:
+            raise ValueError(
+                f"The arguments of the call to {name!r} are nested too deeply, or hold themselves"
+            ) from None
+    raise ValueError(f"Unknown tool_prompt_format {short_repr(tool_prompt_format)}; use one of {TOOL_PROMPT_FORMATS}")
 
 
 def parse_tool_calls(text: str, python_tag: bool = False) -> list[ToolCall]:
@@ -556,7 +569,7 @@ def _check_assistant_fields(message: Message, version: str) -> tuple[list[ToolCa
             f"Only assistant messages carry 'tool_calls' or 'stop_reason'; this message's role is {message['role']!r}"
         )
     if stop_reason is not None and stop_reason not in STOP_REASONS:
-        raise ValueError(f"'stop_reason' must be one of {STOP_REASONS}, got {stop_reason!r}")
+        raise ValueError(f"'stop_reason' must be one of {STOP_REASONS}, got {short_repr(stop_reason)}")
     if version == "3" and (tool_calls or stop_reason == "end_of_message"):
         raise ValueError(
             'Tool calls and "stop_reason": "end_of_message" (<|eom_id|>) need a Tokenizer with version="3.1" '
@@ -565,6 +578,16 @@ def _check_assistant_fields(message: Message, version: str) -> tuple[list[ToolCa
     for call in tool_calls:
         check_tool_call(call)
     return list(tool_calls), stop_reason == "end_of_message"
+
+
+def short_repr(value: Any, limit: int = 200) -> str:
+    """`repr(value)` for an error message, cut after `limit` characters; where repr fails (a list nested too deeply,
+    an int too long to write), the type's name instead."""
+    try:
+        text = repr(value)
+    except Exception:
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _python_value(value: Any) -> str:

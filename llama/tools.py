@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import date
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, TypedDict, Union
 
-from llama.tokenizer import BUILTIN_TOOLS, TOOL_PROMPT_FORMATS, Dialog, Message, ToolCall
+from llama.tokenizer import BUILTIN_TOOLS, TOOL_PROMPT_FORMATS, Dialog, Message, ToolCall, short_repr
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -141,7 +141,7 @@ def system_prompt(
         raise ValueError(f"builtin_tools must be a list of names, got {type(builtin_tools).__name__}") from None
     unknown = [name for name in builtin_tools if name not in BUILTIN_TOOLS]
     if unknown:
-        raise ValueError(f"{unknown} are not built-in tools; the built-in tools are {list(BUILTIN_TOOLS)}")
+        raise ValueError(f"{short_repr(unknown)} are not built-in tools; the built-in tools are {list(BUILTIN_TOOLS)}")
     if environment is None:
         environment = bool(builtin_tools)
     if builtin_tools and not environment:
@@ -298,7 +298,7 @@ def tool_messages(
         ValueError: For an unknown format or tool, a malformed definition, or built-in tools with "python_list".
     """
     if tool_format not in TOOL_PROMPT_FORMATS:
-        raise ValueError(f"Unknown tool_format {tool_format!r}; use one of {TOOL_PROMPT_FORMATS}")
+        raise ValueError(f"Unknown tool_format {short_repr(tool_format)}; use one of {TOOL_PROMPT_FORMATS}")
     if tool_format == "python_list":
         if builtin_tools:
             raise ValueError('The "python_list" format (Llama 3.2/3.3) offers custom tools only; use "json" for '
@@ -343,7 +343,7 @@ class Tool:
         if not self.name.isidentifier():
             raise ValueError(f"A tool name must be a Python identifier (the model calls it by name), got {self.name!r}")
         if not callable(self.function):
-            raise ValueError(f"Tool {self.name!r}: function must be callable, got {self.function!r}")
+            raise ValueError(f"Tool {self.name!r}: function must be callable, got {short_repr(self.function)}")
         for name, param in self.parameters.items():
             if param["param_type"] not in PARAM_TYPES:
                 raise ValueError(
@@ -381,11 +381,11 @@ def run_tool_call(call: ToolCall, tools: Sequence[Tool]) -> str:
     name = call.get("tool_name") if isinstance(call, Mapping) else None
     if not isinstance(name, str) or name not in by_name:
         offered = ", ".join(by_name) or "none"
-        return f"Error: there is no tool named {name!r}. The tools are: {offered}."
+        return f"Error: there is no tool named {short_repr(name)}. The tools are: {offered}."
     tool = by_name[name]
     arguments = call.get("arguments")
     if not isinstance(arguments, Mapping):
-        return f"Error: the arguments of {name} must be an object of named values, got {_brief(arguments)}."
+        return f"Error: the arguments of {name} must be an object of named values, got {short_repr(arguments)}."
     unknown = [key for key in arguments if key not in tool.parameters]
     if unknown:
         known = ", ".join(tool.parameters) or "none"
@@ -398,7 +398,7 @@ def run_tool_call(call: ToolCall, tools: Sequence[Tool]) -> str:
         param_type = tool.parameters[key]["param_type"]
         checked[key] = _as_type(value, PARAM_TYPES[param_type])
         if checked[key] is _WRONG:
-            return f"Error: the argument {key!r} of {name} must be of type {param_type}, got {_brief(value)}."
+            return f"Error: the argument {key!r} of {name} must be of type {param_type}, got {short_repr(value)}."
     try:
         result = tool.function(**checked)
     except Exception as e:  # the model sees what went wrong, and may try again
@@ -453,7 +453,7 @@ def chat_with_tools(
             `chat_completion` raises (e.g. a dialog grown longer than max_seq_len).
     """
     if not isinstance(max_rounds, int) or isinstance(max_rounds, bool) or max_rounds < 1:
-        raise ValueError(f"max_rounds must be an integer of at least 1, got {max_rounds!r}")
+        raise ValueError(f"max_rounds must be an integer of at least 1, got {short_repr(max_rounds)}")
     _tools_by_name(tools)
     dialog = list(dialog)
     for round_number in range(1, max_rounds + 1):
@@ -530,21 +530,23 @@ def _tools_by_name(tools: Sequence[Tool]) -> Dict[str, Tool]:
 def _check_definition(tool: ToolDefinition) -> None:
     """A ValueError that says what is wrong with a tool definition, if anything."""
     if not isinstance(tool, Mapping):
-        raise ValueError(f"A tool must be a Tool or a dict with name, description and parameters; got {_brief(tool)}")
+        raise ValueError(
+            f"A tool must be a Tool or a dict with name, description and parameters; got {short_repr(tool)}"
+        )
     name = tool.get("name")
     if not isinstance(name, str) or not name:
-        raise ValueError(f"A tool definition needs a 'name' that is a non-empty str; got {_brief(tool)}")
+        raise ValueError(f"A tool definition needs a 'name' that is a non-empty str; got {short_repr(tool)}")
     if not isinstance(tool.get("description"), str):
         raise ValueError(f"Tool {name!r} needs a 'description' that is a str")
     parameters = tool.get("parameters", {})
     if not isinstance(parameters, Mapping):
         raise ValueError(f"Tool {name!r}: 'parameters' must be a dict of parameter name to its definition")
     for pname, param in parameters.items():
-        where = f"Tool {name!r}, parameter {pname!r}"
+        where = f"Tool {name!r}, parameter {short_repr(pname)}"
         if not isinstance(pname, str) or not pname:
-            raise ValueError(f"Tool {name!r}: parameter names must be non-empty strs, got {pname!r}")
+            raise ValueError(f"Tool {name!r}: parameter names must be non-empty strs, got {short_repr(pname)}")
         if not isinstance(param, Mapping):
-            raise ValueError(f"{where}: must be a dict with 'param_type' and 'description', got {_brief(param)}")
+            raise ValueError(f"{where}: must be a dict with 'param_type' and 'description', got {short_repr(param)}")
         extra = set(param) - {"param_type", "description", "required", "default"}
         if extra:
             raise ValueError(f"{where}: unknown keys {sorted(extra)}; the keys are param_type, description, "
@@ -559,15 +561,6 @@ def _check_definition(tool: ToolDefinition) -> None:
             except (TypeError, ValueError, RecursionError) as e:
                 raise ValueError(f"{where}: the default, a {type(param['default']).__name__}, cannot be written as "
                                  f"JSON, as the prompt shows it ({e})") from None  # fmt: skip
-
-
-def _brief(value: Any) -> str:
-    """`repr(value)` cut to 200 characters for an error message, or its type's name where repr fails (a list
-    nested too deep)."""
-    try:
-        return f"{value!r:.200}"
-    except Exception:
-        return f"a {type(value).__name__}"
 
 
 def _date_text(today: Union[date, str, None]) -> str:
