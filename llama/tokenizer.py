@@ -229,13 +229,14 @@ def token_id_list(ids: Sequence[int], vocab_size: int, where: str = "") -> list[
     return [int(x) for x in ids]
 
 
-def short_repr(value: Any, limit: int = 60) -> str:
-    """`repr(value)` cut to `limit` characters, for an error message (a huge int cannot even be written out)."""
+def short_repr(value: Any, limit: int = 200) -> str:
+    """`repr(value)` for an error message, cut after `limit` characters; where repr fails (an int too long to
+    write, a list nested too deeply), what it is instead."""
     try:
         text = repr(value)
-    except ValueError:
-        return f"<an int of {value.bit_length()} bits>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    except Exception:
+        return f"<an int of {value.bit_length()} bits>" if isinstance(value, int) else f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class Tokenizer:
@@ -440,7 +441,9 @@ class ChatFormat:
             ValueError: If `tool_prompt_format` is not one of `TOOL_PROMPT_FORMATS`.
         """
         if tool_prompt_format not in TOOL_PROMPT_FORMATS:
-            raise ValueError(f"Unknown tool_prompt_format {tool_prompt_format!r}; use one of {TOOL_PROMPT_FORMATS}")
+            raise ValueError(
+                f"Unknown tool_prompt_format {short_repr(tool_prompt_format)}; use one of {TOOL_PROMPT_FORMATS}"
+            )
         self.tokenizer = tokenizer
         self.tool_prompt_format = tool_prompt_format
         self.strip_content = strip_content
@@ -464,7 +467,7 @@ class ChatFormat:
         if role not in allowed:
             needs_31 = role in _ROLES["3.1"]
             hint = f' (the "{role}" role needs a Tokenizer with version="3.1")' if needs_31 else ""
-            raise ValueError(f"Unknown message role {role!r}; allowed roles are {list(allowed)}{hint}")
+            raise ValueError(f"Unknown message role {short_repr(role)}; allowed roles are {list(allowed)}{hint}")
         tokens = [self.tokenizer.special_tokens["<|start_header_id|>"]]
         tokens.extend(self.tokenizer.encode("ipython" if role == "tool" else role, bos=False, eos=False))
         tokens.append(self.tokenizer.special_tokens["<|end_header_id|>"])
@@ -491,8 +494,7 @@ class ChatFormat:
                 or its tool calls or stop reason are malformed or need Llama 3.1 tokens.
         """
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            shown = repr(message) if len(repr(message)) <= 200 else repr(message)[:200] + "..."
-            raise ValueError(f"A message must be a dict with a 'role' and a 'content'; got {shown}")
+            raise ValueError(f"A message must be a dict with a 'role' and a 'content'; got {short_repr(message)}")
         tokens = self.encode_header(message)
         content = message["content"]
         if not isinstance(content, str):
@@ -518,8 +520,13 @@ class ChatFormat:
             list[int]: The prompt's token IDs.
 
         Raises:
-            ValueError: If a message cannot be encoded (see `encode_message`).
+            ValueError: If `dialog` is not a list of messages, or a message cannot be encoded (see
+                `encode_message`).
         """
+        if isinstance(dialog, dict):
+            raise ValueError("A dialog is a list of messages; wrap a single message in a list")
+        if isinstance(dialog, (str, bytes)) or not isinstance(dialog, Iterable):
+            raise ValueError(f"A dialog must be a list of messages, got {type(dialog).__name__}")
         tokens = [self.tokenizer.special_tokens["<|begin_of_text|>"]]
         for message in dialog:
             tokens.extend(self.encode_message(message))
@@ -567,7 +574,7 @@ class ChatFormat:
             ValueError: If `stop_reason` is not one of `STOP_REASONS` or `content` is not a str.
         """
         if stop_reason not in STOP_REASONS:
-            raise ValueError(f"stop_reason must be one of {STOP_REASONS}, got {stop_reason!r}")
+            raise ValueError(f"stop_reason must be one of {STOP_REASONS}, got {short_repr(stop_reason)}")
         if not isinstance(content, str):
             raise ValueError(f"content must be a str, got {type(content).__name__}")  # noqa: TRY004
         content = content.strip(" ")
@@ -596,17 +603,19 @@ def check_tool_call(call: ToolCall) -> None:
     built-in search tools need a "query" argument, the code interpreter a "code" argument that is a str.
     """
     if not isinstance(call, dict):
-        raise ValueError(f"A tool call must be a dict with 'tool_name' and 'arguments', got {call!r:.200}")
+        raise ValueError(f"A tool call must be a dict with 'tool_name' and 'arguments', got {short_repr(call)}")
     name = call.get("tool_name")
     if not isinstance(name, str) or not name:
-        raise ValueError(f"A tool call needs a 'tool_name' that is a non-empty str; got {call!r:.200}")
+        raise ValueError(f"A tool call needs a 'tool_name' that is a non-empty str; got {short_repr(call)}")
     arguments = call.get("arguments")
     if not isinstance(arguments, dict):
-        raise ValueError(f"The call to {name!r} needs 'arguments' that is a dict, got {arguments!r:.200}")
+        raise ValueError(f"The call to {name!r} needs 'arguments' that is a dict, got {short_repr(arguments)}")
     if name in _QUERY_TOOLS and "query" not in arguments:
-        raise ValueError(f"The call to the built-in tool {name!r} needs a 'query' argument, got {arguments!r:.200}")
+        raise ValueError(
+            f"The call to the built-in tool {name!r} needs a 'query' argument, got {short_repr(arguments)}"
+        )
     if name == "code_interpreter" and not isinstance(arguments.get("code"), str):
-        raise ValueError(f"The call to 'code_interpreter' needs a 'code' argument (a str), got {arguments!r:.200}")
+        raise ValueError(f"The call to 'code_interpreter' needs a 'code' argument (a str), got {short_repr(arguments)}")
 
 
 def encode_tool_call(call: ToolCall, tool_prompt_format: str = "json") -> str:
@@ -639,11 +648,16 @@ def encode_tool_call(call: ToolCall, tool_prompt_format: str = "json") -> str:
             return json.dumps({"type": "function", "name": name, "parameters": arguments})
         if tool_prompt_format == "function_tag":
             return f"<function={name}>{json.dumps(arguments)}</function>"
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise ValueError(f"The arguments of the call to {name!r} cannot be written as JSON: {e}") from None
     if tool_prompt_format == "python_list":
-        return f"[{name}({', '.join(f'{key}={_python_value(value)}' for key, value in arguments.items())})]"
-    raise ValueError(f"Unknown tool_prompt_format {tool_prompt_format!r}; use one of {TOOL_PROMPT_FORMATS}")
+        try:
+            return f"[{name}({', '.join(f'{key}={_python_value(value)}' for key, value in arguments.items())})]"
+        except RecursionError:
+            raise ValueError(
+                f"The arguments of the call to {name!r} are nested too deeply, or hold themselves"
+            ) from None
+    raise ValueError(f"Unknown tool_prompt_format {short_repr(tool_prompt_format)}; use one of {TOOL_PROMPT_FORMATS}")
 
 
 def parse_tool_calls(text: str, python_tag: bool = False) -> list[ToolCall]:
@@ -670,10 +684,9 @@ def parse_tool_calls(text: str, python_tag: bool = False) -> list[ToolCall]:
 
 
 _ASSISTANT_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
-# A built-in search tool's call; any word before ".call" is taken as the tool's name.
+# A built-in search tool's call; any word before ".call" is taken as the tool's name. Linear in the text: `\b\w+`
+# starts only at a word's first character, and `[^"]*` gives up at the first quote.
 _BUILTIN_CALL = re.compile(r'\b(?P<tool_name>\w+)\.call\(query="(?P<query>[^"]*)"\)')
-# <function=name>{...}: the arguments up to the first "}" (a nested object is then read in full, see below).
-_FUNCTION_TAG = re.compile(r"<function=(?P<name>[^}]+)>(?P<args>{.*?})")
 _Calls = Optional[list[tuple[str, dict]]]
 
 
@@ -688,7 +701,7 @@ def _check_assistant_fields(message: Message, version: str) -> tuple[list[ToolCa
             f"Only assistant messages carry 'tool_calls' or 'stop_reason'; this message's role is {message['role']!r}"
         )
     if stop_reason is not None and stop_reason not in STOP_REASONS:
-        raise ValueError(f"'stop_reason' must be one of {STOP_REASONS}, got {stop_reason!r}")
+        raise ValueError(f"'stop_reason' must be one of {STOP_REASONS}, got {short_repr(stop_reason)}")
     if version == "3" and (tool_calls or stop_reason == "end_of_message"):
         raise ValueError(
             'Tool calls and "stop_reason": "end_of_message" (<|eom_id|>) need a Tokenizer with version="3.1" '
@@ -715,10 +728,11 @@ def _python_value(value: Any) -> str:
 
 def _custom_tool_calls(text: str) -> _Calls:
     """Calls in one of the custom-tool forms (function tag, JSON object, Python list), or None."""
-    match = _FUNCTION_TAG.search(text)
-    if match:
-        arguments = _tag_arguments(text, match)
-        calls = None if arguments is None else [(match["name"], arguments)]
+    tag = _function_tag(text)
+    if tag:
+        name, args_start, args_end = tag
+        arguments = _tag_arguments(text, args_start, args_end)
+        calls = None if arguments is None else [(name, arguments)]
     elif (obj := _json_object(text)) is not None:
         calls = None
         if obj.get("type") == "function" or "name" in obj:
@@ -740,13 +754,38 @@ def _builtin_as_called(name: str, arguments: dict) -> Optional[tuple[str, dict]]
     return (name, {"query": next(iter(arguments.values()))}) if arguments else None
 
 
-def _tag_arguments(text: str, match: re.Match) -> Optional[dict]:
-    """The JSON object after `<function=name>`: as matched, else read in full from its "{" (the match ends at the
-    first "}", inside any nested object), else with single quotes read as double ones."""
+def _function_tag(text: str) -> Optional[tuple[str, int, int]]:
+    """The first `<function=name>{...}` in `text`: the name, and where its arguments start ("{") and end (after the
+    first "}"); None if there is none.
+
+    What llama-models' pattern `<function=([^}]+)>({.*?})` finds, read in one pass instead of by a backtracking
+    regex (which takes minutes on a few kB of repeated `<function=x>{`). For a `<function=` the name runs to the
+    first "}" after it at most, so the arguments end at that "}"; the greedy name makes them start at the last ">{"
+    before it, and they may not hold a line break (`.` does not match one). When that fails, every later
+    `<function=` before the same "}" fails too, so the search goes on after it.
+    """
+    prefix = "<function="
+    start = text.find(prefix)
+    while start >= 0:
+        name_start = start + len(prefix)
+        close = text.find("}", name_start)
+        if close < 0:
+            return None
+        opening = text.rfind(">{", name_start + 1, close)  # the name has at least one character
+        if opening >= 0 and text.find("\n", opening + 2, close) < 0:
+            return text[name_start:opening], opening + 1, close + 1
+        start = text.find(prefix, close + 1)
+    return None
+
+
+def _tag_arguments(text: str, args_start: int, args_end: int) -> Optional[dict]:
+    """The JSON object at `text[args_start:args_end]`, after `<function=name>`: as it is, else read in full from its
+    "{" (it ends at the first "}", inside any nested object), else with single quotes read as double ones."""
+    args = text[args_start:args_end]
     attempts = (
-        lambda: json.loads(match["args"]),
-        lambda: json.JSONDecoder().raw_decode(text, match.start("args"))[0],
-        lambda: json.loads(match["args"].replace("'", '"')),
+        lambda: json.loads(args),
+        lambda: json.JSONDecoder().raw_decode(text, args_start)[0],
+        lambda: json.loads(args.replace("'", '"')),
     )
     for attempt in attempts:
         try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import date
 from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, TypedDict, Union
 
-from llama.tokenizer import BUILTIN_TOOLS, TOOL_PROMPT_FORMATS, Dialog, Message, ToolCall
+from llama.tokenizer import BUILTIN_TOOLS, TOOL_PROMPT_FORMATS, Dialog, Message, ToolCall, short_repr
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -128,12 +128,20 @@ def system_prompt(
         str: The system message's content.
 
     Raises:
-        ValueError: For a tool that is not built in, or built-in tools with `environment=False`.
+        ValueError: For a tool that is not built in, built-in tools with `environment=False`, or an instruction
+            that is not a str.
     """
-    builtin_tools = list(builtin_tools)
+    if isinstance(builtin_tools, str):
+        raise ValueError(f"builtin_tools must be a list of names; wrap {builtin_tools!r} in a list")
+    if instruction is not None and not isinstance(instruction, str):
+        raise ValueError(f"instruction must be a str, got {type(instruction).__name__}")
+    try:
+        builtin_tools = list(builtin_tools)
+    except TypeError:
+        raise ValueError(f"builtin_tools must be a list of names, got {type(builtin_tools).__name__}") from None
     unknown = [name for name in builtin_tools if name not in BUILTIN_TOOLS]
     if unknown:
-        raise ValueError(f"{unknown} are not built-in tools; the built-in tools are {list(BUILTIN_TOOLS)}")
+        raise ValueError(f"{short_repr(unknown)} are not built-in tools; the built-in tools are {list(BUILTIN_TOOLS)}")
     if environment is None:
         environment = bool(builtin_tools)
     if builtin_tools and not environment:
@@ -242,8 +250,10 @@ def python_list_tools_prompt(tools: Sequence[Union["Tool", ToolDefinition]], pre
         str: The message's content.
 
     Raises:
-        ValueError: For a malformed definition.
+        ValueError: For a malformed definition, or a preamble that is not a str.
     """
+    if preamble is not None and not isinstance(preamble, str):
+        raise ValueError(f"preamble must be a str, got {type(preamble).__name__}")
     listed = []
     for tool in _definitions(tools):
         properties = {}
@@ -288,7 +298,7 @@ def tool_messages(
         ValueError: For an unknown format or tool, a malformed definition, or built-in tools with "python_list".
     """
     if tool_format not in TOOL_PROMPT_FORMATS:
-        raise ValueError(f"Unknown tool_format {tool_format!r}; use one of {TOOL_PROMPT_FORMATS}")
+        raise ValueError(f"Unknown tool_format {short_repr(tool_format)}; use one of {TOOL_PROMPT_FORMATS}")
     if tool_format == "python_list":
         if builtin_tools:
             raise ValueError('The "python_list" format (Llama 3.2/3.3) offers custom tools only; use "json" for '
@@ -333,7 +343,7 @@ class Tool:
         if not self.name.isidentifier():
             raise ValueError(f"A tool name must be a Python identifier (the model calls it by name), got {self.name!r}")
         if not callable(self.function):
-            raise ValueError(f"Tool {self.name!r}: function must be callable, got {self.function!r}")
+            raise ValueError(f"Tool {self.name!r}: function must be callable, got {short_repr(self.function)}")
         for name, param in self.parameters.items():
             if param["param_type"] not in PARAM_TYPES:
                 raise ValueError(
@@ -357,20 +367,25 @@ def run_tool_call(call: ToolCall, tools: Sequence[Tool]) -> str:
 
     Args:
         call: A call from `Llama.chat_completion`'s "tool_calls".
-        tools: The registered tools.
+        tools: The registered tools, as `Tool`s (a definition dict has no function to run).
 
     Returns:
-        str: The tool's result (a str as returned, anything else as JSON), or the error message.
+        str: The tool's result (a str as returned, anything else as JSON), or the error message; also a result
+            that cannot be written as JSON comes back as an "Error:" message.
+
+    Raises:
+        ValueError: If `tools` is not a list of `Tool`s with distinct names: a mistake in the program, not in the
+            model's call.
     """
-    by_name = {tool.name: tool for tool in tools}
+    by_name = _tools_by_name(tools)
     name = call.get("tool_name") if isinstance(call, Mapping) else None
     if not isinstance(name, str) or name not in by_name:
         offered = ", ".join(by_name) or "none"
-        return f"Error: there is no tool named {name!r}. The tools are: {offered}."
+        return f"Error: there is no tool named {short_repr(name)}. The tools are: {offered}."
     tool = by_name[name]
     arguments = call.get("arguments")
     if not isinstance(arguments, Mapping):
-        return f"Error: the arguments of {name} must be an object of named values, got {arguments!r:.200}."
+        return f"Error: the arguments of {name} must be an object of named values, got {short_repr(arguments)}."
     unknown = [key for key in arguments if key not in tool.parameters]
     if unknown:
         known = ", ".join(tool.parameters) or "none"
@@ -383,12 +398,17 @@ def run_tool_call(call: ToolCall, tools: Sequence[Tool]) -> str:
         param_type = tool.parameters[key]["param_type"]
         checked[key] = _as_type(value, PARAM_TYPES[param_type])
         if checked[key] is _WRONG:
-            return f"Error: the argument {key!r} of {name} must be of type {param_type}, got {value!r:.200}."
+            return f"Error: the argument {key!r} of {name} must be of type {param_type}, got {short_repr(value)}."
     try:
         result = tool.function(**checked)
     except Exception as e:  # the model sees what went wrong, and may try again
         return f"Error: {name} failed: {type(e).__name__}: {e}"
-    return result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str)
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result, ensure_ascii=False, default=str)
+    except Exception as e:  # e.g. a circular list, or an object whose str() raises
+        return f"Error: the result of {name} cannot be written as JSON: {type(e).__name__}: {e}"
 
 
 class ChatGenerator(Protocol):
@@ -429,11 +449,12 @@ def chat_with_tools(
         list[Message]: The dialog with the answers and the tools' results appended.
 
     Raises:
-        ValueError: For `max_rounds` below 1, or what `chat_completion` raises (e.g. a dialog grown longer than
-            max_seq_len).
+        ValueError: For `max_rounds` below 1, `tools` that are not `Tool`s (see `run_tool_call`), or what
+            `chat_completion` raises (e.g. a dialog grown longer than max_seq_len).
     """
-    if not isinstance(max_rounds, int) or max_rounds < 1:
-        raise ValueError(f"max_rounds must be an integer of at least 1, got {max_rounds!r}")
+    if not isinstance(max_rounds, int) or isinstance(max_rounds, bool) or max_rounds < 1:
+        raise ValueError(f"max_rounds must be an integer of at least 1, got {short_repr(max_rounds)}")
+    _tools_by_name(tools)
     dialog = list(dialog)
     for round_number in range(1, max_rounds + 1):
         result = generator.chat_completion([dialog], temperature=temperature, top_p=top_p, max_gen_len=max_gen_len)
@@ -473,33 +494,59 @@ def _as_type(value: Any, expected: type) -> Any:
 
 
 def _definitions(tools: Sequence[Union[Tool, ToolDefinition]]) -> List[ToolDefinition]:
-    """Each tool's definition, checked."""
-    if isinstance(tools, (Tool, dict)):
-        raise ValueError("tools must be a list of tools; wrap a single tool in a list")
-    definitions = [tool.definition() if isinstance(tool, Tool) else tool for tool in tools]
+    """Each tool's definition, checked; one without "parameters" gets an empty dict of them (the caller's dict is
+    left as it is)."""
+    definitions = [tool.definition() if isinstance(tool, Tool) else tool for tool in _tool_list(tools)]
     for definition in definitions:
         _check_definition(definition)
-    return definitions
+    return [{**definition, "parameters": definition.get("parameters", {})} for definition in definitions]
+
+
+def _tool_list(tools: Any) -> list:
+    """`tools` as a list; a ValueError for a single tool or something that is not a list."""
+    if isinstance(tools, (Tool, Mapping, str, bytes)):
+        raise ValueError(f"tools must be a list of tools; wrap a single tool in a list (got {type(tools).__name__})")
+    try:
+        return list(tools)
+    except TypeError:
+        raise ValueError(f"tools must be a list of tools, got {type(tools).__name__}") from None
+
+
+def _tools_by_name(tools: Sequence[Tool]) -> Dict[str, Tool]:
+    """The `Tool`s by name, for running them; a ValueError for a definition dict or two tools of one name."""
+    by_name: Dict[str, Tool] = {}
+    for tool in _tool_list(tools):
+        if not isinstance(tool, Tool):
+            raise ValueError(
+                f"Only Tool objects can be run, got a {type(tool).__name__}: a definition has no function to run; "
+                "make it Tool(name, description, function, parameters)"
+            )
+        if tool.name in by_name:
+            raise ValueError(f"Two tools are named {tool.name!r}; the model could not tell them apart")
+        by_name[tool.name] = tool
+    return by_name
 
 
 def _check_definition(tool: ToolDefinition) -> None:
     """A ValueError that says what is wrong with a tool definition, if anything."""
     if not isinstance(tool, Mapping):
-        raise ValueError(f"A tool must be a Tool or a dict with name, description and parameters; got {tool!r:.200}")
+        raise ValueError(
+            f"A tool must be a Tool or a dict with name, description and parameters; got {short_repr(tool)}"
+        )
     name = tool.get("name")
     if not isinstance(name, str) or not name:
-        raise ValueError(f"A tool definition needs a 'name' that is a non-empty str; got {tool!r:.200}")
+        raise ValueError(f"A tool definition needs a 'name' that is a non-empty str; got {short_repr(tool)}")
     if not isinstance(tool.get("description"), str):
         raise ValueError(f"Tool {name!r} needs a 'description' that is a str")
     parameters = tool.get("parameters", {})
     if not isinstance(parameters, Mapping):
         raise ValueError(f"Tool {name!r}: 'parameters' must be a dict of parameter name to its definition")
     for pname, param in parameters.items():
-        where = f"Tool {name!r}, parameter {pname!r}"
+        where = f"Tool {name!r}, parameter {short_repr(pname)}"
         if not isinstance(pname, str) or not pname:
-            raise ValueError(f"Tool {name!r}: parameter names must be non-empty strs, got {pname!r}")
+            raise ValueError(f"Tool {name!r}: parameter names must be non-empty strs, got {short_repr(pname)}")
         if not isinstance(param, Mapping):
-            raise ValueError(f"{where}: must be a dict with 'param_type' and 'description', got {param!r:.200}")
+            raise ValueError(f"{where}: must be a dict with 'param_type' and 'description', got {short_repr(param)}")
         extra = set(param) - {"param_type", "description", "required", "default"}
         if extra:
             raise ValueError(f"{where}: unknown keys {sorted(extra)}; the keys are param_type, description, "
@@ -508,6 +555,12 @@ def _check_definition(tool: ToolDefinition) -> None:
             raise ValueError(f"{where}: needs a 'param_type' and a 'description', both strs")
         if not isinstance(param.get("required", True), bool):
             raise ValueError(f"{where}: 'required' must be True or False")
+        if "default" in param:
+            try:
+                json.dumps(param["default"], allow_nan=False)
+            except (TypeError, ValueError, RecursionError) as e:
+                raise ValueError(f"{where}: the default, a {type(param['default']).__name__}, cannot be written as "
+                                 f"JSON, as the prompt shows it ({e})") from None  # fmt: skip
 
 
 def _date_text(today: Union[date, str, None]) -> str:

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import random
 import string
+import time
 from datetime import date
 from pathlib import Path
 
@@ -316,6 +317,39 @@ def test_reading_never_raises(tok):
         message = chat.decode_assistant_message_from_content(text, rng.choice(["end_of_turn", "length"]))
         assert isinstance(message["content"], str)
         assert isinstance(message["tool_calls"], list)
+
+
+# Answers built to make a backtracking parser hang. The pattern this library used to read <function=...> with (it is
+# llama-models') took 6 s on 800 repeats of "<function=x>{" and grew with the cube of the length: the first shape
+# would take over half an hour; the quadratic ones (1 MB each) several minutes. Read in linear time, each takes
+# milliseconds; the bound only catches a return of the backtracking. benchmarks/hostile_parsing.py times more shapes.
+HOSTILE_ANSWERS = [
+    ("<function=x>{" * 5_000, []),
+    ("<function=" * 100_000, []),
+    ("<function=" + ">{" * 500_000, []),
+    ("<function=x>{\n" * 70_000 + "}", []),
+    ("<|python_tag|>" + "<function=x>{" * 5_000, [("code_interpreter", {"code": "<function=x>{" * 5_000})]),
+    ('x.call(query="' * 70_000, []),
+]
+
+
+@pytest.mark.parametrize("text, calls", HOSTILE_ANSWERS, ids=["brace", "tag", "tag_brace", "newlines", "python_tag",
+                                                              "builtin"])  # fmt: skip
+def test_hostile_answers_are_read_in_linear_time(tok, text, calls):
+    start = time.perf_counter()
+    message = ChatFormat(tok).decode_assistant_message_from_content(text, "end_of_turn")
+    assert time.perf_counter() - start < 3.0
+    assert calls_of(message) == calls
+    assert message["content"] == ("" if calls else text)
+
+
+def test_a_function_tag_is_found_after_hostile_text(tok):
+    text = "<function=" * 50_000 + "} " + '<function=get_weather>{"city": "Paris"}</function>'
+    start = time.perf_counter()
+    message = ChatFormat(tok).decode_assistant_message_from_content(text, "end_of_turn")
+    assert time.perf_counter() - start < 3.0
+    # No <function= before the first "}" has a ">{" to open its arguments; the call after it is read.
+    assert calls_of(message) == [("get_weather", {"city": "Paris"})]
 
 
 def test_call_ids_are_fresh(tok):
@@ -797,6 +831,79 @@ def test_run_tool_call_never_raises_on_what_the_model_sends():
 def test_malformed_tools_are_value_errors(kwargs, error):
     with pytest.raises(ValueError, match=error):
         Tool(**{"name": "f", "description": "d", "function": add, "parameters": {}, **kwargs})
+
+
+def circular_list() -> list:
+    items = [1]
+    items.append(items)
+    return items
+
+
+def nested_list(depth: int) -> list:
+    items = []
+    for _ in range(depth):
+        items = [items]
+    return items
+
+
+@pytest.mark.parametrize(
+    "default", [object(), {1, 2}, b"bytes", float("nan"), float("inf"), circular_list(), nested_list(100_000)]
+)
+def test_a_default_that_is_not_json_is_refused_when_the_tool_is_made(default):
+    param = {"param_type": "str", "description": "x", "default": default, "required": False}
+    with pytest.raises(ValueError, match="parameter 'a': the default, a .*, cannot be written as JSON"):
+        Tool("f", "d", add, {"a": param})
+    for describe in (json_tools_prompt, function_tag_tools_prompt, python_list_tools_prompt):  # definitions too
+        with pytest.raises(ValueError, match="cannot be written as JSON"):
+            describe([{"name": "f", "description": "d", "parameters": {"a": param}}])
+
+
+class Unprintable:
+    def __str__(self):
+        raise RuntimeError("no text for this")
+
+
+@pytest.mark.parametrize("result", [circular_list(), {"a": Unprintable()}, nested_list(100_000)])
+def test_a_result_that_cannot_be_written_comes_back_as_an_error(result):
+    tool = Tool("odd", "Returns something JSON cannot hold", lambda: result)
+    assert run_tool_call({"tool_name": "odd", "arguments": {}}, [tool]).startswith(
+        "Error: the result of odd cannot be written as JSON: "
+    )
+
+
+def test_a_definition_without_parameters_has_none(tok):
+    bare = {"name": "ping", "description": "Check the service"}
+    empty = {**bare, "parameters": {}}
+    for describe in (json_tools_prompt, function_tag_tools_prompt, python_list_tools_prompt):
+        assert describe([bare]) == describe([empty])
+        assert describe([bare]) == describe([Tool("ping", "Check the service", lambda: "pong")])
+    for tool_format in ("json", "function_tag", "python_list"):
+        assert tool_messages([bare], tool_format=tool_format, today="x") == tool_messages(
+            [empty], tool_format=tool_format, today="x"
+        )
+    assert bare == {"name": "ping", "description": "Check the service"}  # the caller's dict is left as it is
+    listed = json.loads(python_list_tools_prompt([bare]).split("\n\n")[-1])
+    assert listed == [{**bare, "parameters": {"type": "dict", "required": [], "properties": {}}}]
+
+
+@pytest.mark.parametrize(
+    "tools, error",
+    [
+        ([TRENDING_SONGS], "Only Tool objects can be run, got a dict: a definition has no function to run"),
+        ([TOOLS[0], "add"], "Only Tool objects can be run, got a str"),
+        (TOOLS[0], "wrap a single tool in a list"),
+        ({"add": TOOLS[0]}, "wrap a single tool in a list"),
+        (None, "tools must be a list of tools, got NoneType"),
+        ([TOOLS[0], Tool("add", "another add", add)], "Two tools are named 'add'"),
+    ],
+)
+def test_run_tool_call_refuses_tools_it_cannot_run(tok, tools, error):
+    with pytest.raises(ValueError, match=error):
+        run_tool_call({"tool_name": "add", "arguments": {"a": 1}}, tools)
+    generator = StandInGenerator(tok, ["Hello.<|eot_id|>"])
+    with pytest.raises(ValueError, match=error):  # before the model is asked anything
+        chat_with_tools(generator, QUESTION, tools)
+    assert generator.prompts == []
 
 
 class StandInGenerator:
