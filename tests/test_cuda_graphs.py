@@ -116,11 +116,11 @@ def test_kv_cache_check_counts_the_graphs_memory_on_cuda(monkeypatch):
     cache = 2 * 16 * 8 * 2048 * 8 * 64 * 2
     step = decode_step_bytes(args, 1, torch.bfloat16)
     assert step > 8 * 128256 * 2  # at least the bfloat16 logits of every row
-    monkeypatch.setattr("llama.checkpoint.free_memory", lambda device: cache + step // 2)
+    monkeypatch.setattr("llama.checkpoint.load.free_memory", lambda device: cache + step // 2)
     check_kv_cache_fits(args, 1, torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ValueError, match="KV cache and a decode step's activations .* lower max_batch_size"):
         check_kv_cache_fits(args, 1, torch.device("cuda", 0), torch.bfloat16)
-    monkeypatch.setattr("llama.checkpoint.free_memory", lambda device: cache + step)
+    monkeypatch.setattr("llama.checkpoint.load.free_memory", lambda device: cache + step)
     check_kv_cache_fits(args, 1, torch.device("cuda", 0), torch.bfloat16)
 
 

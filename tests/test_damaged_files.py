@@ -186,11 +186,11 @@ def test_a_bad_config_json_value_names_file_and_field(hf_folder, tmp_path):
 
 
 def test_params_json_is_read_through_blobfile(tiny_checkpoint, monkeypatch):
-    import llama.checkpoint
+    import llama.checkpoint.params
 
     read = []
-    real = llama.checkpoint.blobfile.read_text
-    monkeypatch.setattr(llama.checkpoint.blobfile, "read_text", lambda path: read.append(path) or real(path))
+    real = llama.checkpoint.params.blobfile.read_text
+    monkeypatch.setattr(llama.checkpoint.params.blobfile, "read_text", lambda path: read.append(path) or real(path))
     assert open_checkpoint(tiny_checkpoint).params == TINY_PARAMS
     assert read == [str(tiny_checkpoint / "params.json")]
 
@@ -242,12 +242,12 @@ def test_a_key_written_twice_in_params_json_is_refused(tiny_checkpoint, tmp_path
 
 
 def test_params_json_that_cannot_be_read_is_named(tiny_checkpoint, tmp_path, monkeypatch):
-    import llama.checkpoint
+    import llama.checkpoint.params
 
     def denied(path):
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(llama.checkpoint.blobfile, "read_text", denied)
+    monkeypatch.setattr(llama.checkpoint.params.blobfile, "read_text", denied)
     with pytest.raises(ValueError, match=r"Cannot read .*params\.json: .*Permission denied"):
         open_checkpoint(tiny_checkpoint)
 

@@ -8,7 +8,7 @@ import threading
 import torch
 from torch import nn
 
-import llama.checkpoint
+import llama.checkpoint.load
 import llama.cpu
 import llama.distributed
 from llama import Llama
@@ -55,7 +55,7 @@ def test_only_the_first_process_prints_and_stdout_stays(tiny_checkpoint, tokeniz
     printed = {}
     for rank in (1, 0):  # as torchrun's global ranks; the model-parallel rank stays 0
         monkeypatch.setattr(llama.distributed, "global_rank", lambda rank=rank: rank)
-        monkeypatch.setattr(llama.checkpoint, "global_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(llama.checkpoint.load, "global_rank", lambda rank=rank: rank)
         monkeypatch.setattr(llama.cpu, "global_rank", lambda rank=rank: rank)  # its float16 copies' line
         captured = io.StringIO()
         monkeypatch.setattr(sys, "stdout", captured)

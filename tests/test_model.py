@@ -3,7 +3,7 @@
 The references are written here from the published formulas (rotate-half RoPE, the Llama 3.1 frequency
 scaling, RMSNorm), or taken from other code bases: `torch.nn.functional.scaled_dot_product_attention` for
 attention and Hugging Face `transformers.LlamaForCausalLM` for the whole model. The Meta -> Hugging Face
-weight conversion is written here too, so that a mistake in llama/checkpoint.py cannot hide one in the model.
+weight conversion is written here too, so that a mistake in llama/checkpoint/ cannot hide one in the model.
 """
 
 import math

@@ -1,0 +1,77 @@
+"""Checkpoint I/O, one concern a module: `params` (params.json and config.json as read), `shards` (how model
+parallelism splits the tensors, each rank's share), `meta` and `hf` (the two folder formats, read through one
+`CheckpointReader`), `load` (the load sequence of `Llama.build`) and `write` (Meta checkpoints written). The names
+below are the ones the rest of the package, the tools and the tests use.
+"""
+
+from llama.checkpoint.hf import (
+    HuggingFaceCheckpoint,
+    hf_config,
+    hf_config_to_params,
+    hf_to_meta_name,
+    meta_to_hf_name,
+    permute_for_interleaved,
+    permute_for_rotate_half,
+)
+from llama.checkpoint.load import (
+    AllocateOnMeta,
+    check_kv_cache_fits,
+    find_tokenizer,
+    load_checkpoint,
+    load_model,
+    open_checkpoint,
+)
+from llama.checkpoint.meta import MetaCheckpoint, load_shard
+from llama.checkpoint.params import (
+    HF_CONFIG,
+    HF_CONFIG_FIELDS,
+    META_PARAMS,
+    PARAMS_FIELDS,
+    checked_int,
+    model_args_from,
+    read_json,
+)
+from llama.checkpoint.shards import (
+    LINEAR_LAYERS,
+    CheckpointReader,
+    check_model_parallel_size,
+    full_shapes,
+    rank_weights,
+    split_dim,
+)
+from llama.checkpoint.write import atomic_output_dir, check_new_output_dir, save_shard, write_meta_checkpoint
+
+__all__ = [
+    "AllocateOnMeta",
+    "CheckpointReader",
+    "HF_CONFIG",
+    "HF_CONFIG_FIELDS",
+    "HuggingFaceCheckpoint",
+    "LINEAR_LAYERS",
+    "META_PARAMS",
+    "MetaCheckpoint",
+    "PARAMS_FIELDS",
+    "atomic_output_dir",
+    "check_kv_cache_fits",
+    "check_model_parallel_size",
+    "check_new_output_dir",
+    "checked_int",
+    "find_tokenizer",
+    "full_shapes",
+    "hf_config",
+    "hf_config_to_params",
+    "hf_to_meta_name",
+    "load_checkpoint",
+    "load_model",
+    "load_shard",
+    "meta_to_hf_name",
+    "model_args_from",
+    "open_checkpoint",
+    "permute_for_interleaved",
+    "permute_for_rotate_half",
+    "rank_weights",
+    "read_json",
+    "save_shard",
+    "split_dim",
+    "write_meta_checkpoint",
+]

@@ -1,0 +1,244 @@
+"""The load sequence of `Llama.build`: open a checkpoint folder, check the arguments against it, and build the
+`Transformer` with this rank's weights."""
+
+import logging
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Dict, Optional, Tuple, Union
+
+import blobfile
+import fairscale.nn.model_parallel.initialize as fs_init
+import torch
+from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llama.checkpoint.hf import HuggingFaceCheckpoint
+from llama.checkpoint.meta import MetaCheckpoint
+from llama.checkpoint.params import BUILD_FIELDS, HF_CONFIG, META_PARAMS, checked_int, model_args_from
+from llama.checkpoint.shards import CheckpointReader, check_model_parallel_size, rank_weights
+from llama.cuda_graphs import decode_step_bytes
+from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
+from llama.model import ModelArgs, Transformer
+from llama.quantize import (
+    check_device,
+    check_scheme,
+    layer_from_saved,
+    quantize_layer,
+    saved_quantization,
+    saved_shapes,
+    whole_shape,
+)
+from llama.tokenizer import Tokenizer, short_repr
+
+logger = logging.getLogger(__name__)
+
+
+def open_checkpoint(ckpt_dir) -> CheckpointReader:
+    """Open a Meta (params.json) or Hugging Face (config.json) checkpoint folder."""
+    if not isinstance(ckpt_dir, (str, os.PathLike)):
+        raise ValueError(f"ckpt_dir must be the path of a checkpoint folder, got {short_repr(ckpt_dir)}")
+    ckpt_dir = Path(ckpt_dir)
+    if ckpt_dir.is_file():
+        raise ValueError(f"{ckpt_dir} is a file; pass the folder that holds it (ckpt_dir={ckpt_dir.parent})")
+    if not ckpt_dir.is_dir():
+        raise FileNotFoundError(f"Checkpoint directory {ckpt_dir} does not exist")
+    if (ckpt_dir / META_PARAMS).is_file():
+        return MetaCheckpoint(ckpt_dir)
+    if (ckpt_dir / HF_CONFIG).is_file():
+        return HuggingFaceCheckpoint(ckpt_dir)
+    raise FileNotFoundError(
+        f"{ckpt_dir} has no params.json (Meta layout) and no config.json (Hugging Face layout); "
+        "point ckpt_dir at the folder that holds the checkpoint"
+    )
+
+
+def find_tokenizer(ckpt_dir, tokenizer_path: Optional[str] = None) -> str:
+    """The tokenizer file: `tokenizer_path` if given, else tokenizer.model in ckpt_dir or ckpt_dir/original.
+
+    Raises:
+        FileNotFoundError: when tokenizer_path is None and neither folder holds a tokenizer.model.
+    """
+    if tokenizer_path is not None:
+        return str(tokenizer_path)  # checked as it is read
+    candidates = [blobfile.join(str(ckpt_dir), name) for name in ("tokenizer.model", "original/tokenizer.model")]
+    for candidate in candidates:
+        if blobfile.exists(candidate) and not blobfile.isdir(candidate):
+            return candidate
+    raise FileNotFoundError(f"No tokenizer.model found (looked at {', '.join(candidates)}); pass tokenizer_path")
+
+
+class AllocateOnMeta(TorchDispatchMode):
+    """Inside it, every tensor is created on the meta device: no memory, no initialisation.
+
+    `with torch.device("meta")` is not enough: fairscale allocates its weights with the legacy `torch.Tensor(rows,
+    cols)` constructor, which ignores it. That allocation still reaches the dispatcher as a factory op with a
+    device argument, which this mode replaces. Like every dispatch mode it is local to the thread that enters it
+    and ends with the block.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if kwargs and "device" in kwargs:
+            kwargs = {**kwargs, "device": torch.device("meta")}
+        return func(*args, **(kwargs or {}))
+
+
+def load_model(
+    reader: CheckpointReader,
+    model_args: ModelArgs,
+    mp_rank: int,
+    mp_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantize: Optional[str] = None,
+    group_size: Optional[int] = None,
+) -> Transformer:
+    """The Transformer with this rank's weights, as Meta's code builds it (fairscale's layers), without a throwaway
+    random initialisation: built on the meta device, then given the checkpoint's tensors, strictly.
+
+    With `quantize`, each linear layer is quantized as soon as its weight is read (`llama.quantize`), so that at
+    most one layer's weight is held in `dtype` at a time. A quantized checkpoint (its params.json has
+    "quantization") gives its layers as they are stored, and `quantize` must then be its scheme or None.
+    """
+    check_model_parallel_size(model_args, mp_size, len(reader.files) if isinstance(reader, MetaCheckpoint) else None)
+    saved = saved_quantization(reader.params, reader.ckpt_dir / META_PARAMS)
+    if saved:
+        check_quantize_matches(quantize, saved[0], reader.ckpt_dir)
+        quantize, group_size = saved
+    with AllocateOnMeta():
+        model = Transformer(model_args)
+    expected_shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
+    linear = (ColumnParallelLinear, RowParallelLinear)
+    stored = {name: {} for name, m in model.named_modules() if isinstance(m, linear)}  # name -> stored shapes
+    if saved:
+        for name in stored:
+            layer = model.get_submodule(name)
+            stored[name] = saved_shapes(*whole_shape(layer), isinstance(layer, RowParallelLinear), *saved, mp_size)
+        expected_shapes = with_quantized_shapes(expected_shapes, stored)
+    weights, parts = {}, {}
+    for key, tensor in rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device):
+        name, _, field = key.rpartition(".")
+        if name in stored and saved:  # a layer is built once all its stored tensors are read
+            parts.setdefault(name, {})[field] = tensor
+            if len(parts[name]) == len(stored[name]):
+                model.set_submodule(name, layer_from_saved(model.get_submodule(name), **parts.pop(name)))
+        elif name in stored and quantize:
+            layer = model.get_submodule(name)
+            layer.weight = torch.nn.Parameter(tensor, requires_grad=False)
+            model.set_submodule(name, quantize_layer(layer, quantize, group_size))
+        else:
+            weights[key] = tensor
+    model.load_state_dict(weights, strict=not quantize, assign=True)
+    model.init_kv_caches(device, dtype)
+    return model.eval()
+
+
+def with_quantized_shapes(float_shapes: Dict[str, torch.Size], stored: Dict[str, dict]) -> Dict[str, torch.Size]:
+    """`float_shapes` (a state dict's shapes) with each linear layer's weight replaced by the tensors a quantized
+    checkpoint stores for it (`stored`: layer name -> tensor name -> shape), in the same order."""
+    shapes = {}
+    for key, shape in float_shapes.items():
+        name = key.removesuffix(".weight")
+        if name in stored:
+            shapes.update({f"{name}.{field}": field_shape for field, field_shape in stored[name].items()})
+        else:
+            shapes[key] = shape
+    return shapes
+
+
+def load_checkpoint(
+    ckpt_dir,
+    tokenizer_path: Optional[str],
+    max_seq_len: int,
+    max_batch_size: int,
+    model_parallel_size: Optional[int],
+    seed: int,
+    device: Union[str, torch.device, None],
+    dtype: Union[str, torch.dtype, None],
+    version: Optional[str],
+    timeout: timedelta,
+    quantize: Optional[str] = None,
+) -> Tuple[Transformer, Tokenizer]:
+    """The load sequence of `Llama.build` (see its docstring for the arguments): check the arguments against the
+    checkpoint, join the process group, seed, read the tokenizer and this rank's weights."""
+    if tokenizer_path is not None and not isinstance(tokenizer_path, (str, os.PathLike)):
+        raise ValueError(
+            f"tokenizer_path must be the path of a tokenizer.model file or None, got {short_repr(tokenizer_path)}"
+        )
+    max_seq_len = checked_int("max_seq_len", max_seq_len, 1)
+    max_batch_size = checked_int("max_batch_size", max_batch_size, 1)
+    if model_parallel_size is not None:
+        model_parallel_size = checked_int("model_parallel_size", model_parallel_size, 1)
+    seed = checked_int("seed", seed, -(2**63), 2**64 - 1)  # what torch.manual_seed takes
+    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+        raise ValueError(f"timeout must be a positive datetime.timedelta, got {short_repr(timeout)}")
+    device = resolve_device(device)
+    reader = open_checkpoint(ckpt_dir)
+    tokenizer_path = find_tokenizer(ckpt_dir, tokenizer_path)
+    model_args, ignored = model_args_from(reader.params, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+    if max_seq_len > model_args.context_len:
+        raise ValueError(
+            f"max_seq_len={max_seq_len} exceeds this checkpoint's context of {model_args.context_len} tokens"
+        )
+    saved = saved_quantization(reader.params, reader.ckpt_dir / META_PARAMS)
+    if saved:
+        check_quantize_matches(quantize, saved[0], ckpt_dir)
+        quantize = saved[0]
+    if quantize is not None:
+        check_scheme(quantize)
+        if dtype is None and device.type == "cpu":
+            dtype = torch.bfloat16  # what the CPU's weight-only kernels run fastest with
+    dtype = resolve_dtype(reader.dtype if dtype is None and reader.format == "hf" else dtype, device)
+    if quantize is not None:
+        check_device(device, quantize, dtype)
+
+    start_time = time.time()
+    model_parallel_size = init_model_parallel(device, model_parallel_size, timeout)
+    torch.manual_seed(seed)  # the same in all processes: they must sample the same tokens
+    logger.info("Loading a %s checkpoint from %s", "Meta" if reader.format == "meta" else "Hugging Face", ckpt_dir)
+    if ignored:
+        logger.warning(
+            "Ignoring checkpoint parameters %s: unknown to the model, or (%s) set by Llama.build's arguments",
+            ignored,
+            ", ".join(BUILD_FIELDS),
+        )
+
+    tokenizer = Tokenizer(tokenizer_path, version=version or ("3.1" if model_args.use_scaled_rope else "3"))
+    if model_args.vocab_size != tokenizer.n_words:
+        raise ValueError(
+            f"The checkpoint's vocab_size ({model_args.vocab_size}) differs from the tokenizer's "
+            f"({tokenizer.n_words} tokens in {tokenizer_path}); use the tokenizer.model that came with it"
+        )
+    check_kv_cache_fits(model_args, model_parallel_size, device, dtype)
+    mp_rank = fs_init.get_model_parallel_rank()
+    model = load_model(reader, model_args, mp_rank, model_parallel_size, device, dtype, quantize)
+    if global_rank() == 0:  # the reference prints this line; other processes load the same way, silently
+        print(f"Loaded in {time.time() - start_time:.2f} seconds")
+    return model, tokenizer
+
+
+def check_quantize_matches(quantize: Optional[str], saved_scheme: str, ckpt_dir) -> None:
+    if quantize not in (None, saved_scheme):
+        raise ValueError(
+            f"{ckpt_dir} holds weights quantized as {saved_scheme}; they cannot be loaded as {quantize}. Pass "
+            f"quantize={saved_scheme!r} or leave it out, or convert the floating-point checkpoint to {quantize}"
+        )
+
+
+def check_kv_cache_fits(args: ModelArgs, mp_size: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise a ValueError, before anything is allocated, when this process's KV cache cannot fit on `device`. On
+    CUDA the activations of a decode step at the whole batch count too: a recorded CUDA graph keeps them."""
+    elements = 2 * args.n_layers * args.max_batch_size * args.max_seq_len * (args.kv_heads // mp_size) * args.head_dim
+    needed = elements * torch.empty(0, dtype=dtype).element_size()
+    what = "The KV cache"
+    if device.type == "cuda":
+        needed += decode_step_bytes(args, mp_size, dtype)
+        what = "The KV cache and a decode step's activations"
+    free = free_memory(device)
+    if free is not None and needed > free:
+        raise ValueError(
+            f"{what} for max_seq_len={args.max_seq_len} and max_batch_size={args.max_batch_size} needs "
+            f"{needed / 2**30:.1f} GiB on {device}, which has {free / 2**30:.1f} GiB free; lower max_batch_size or "
+            "max_seq_len (--max_batch_size, --max_seq_len in the examples)"
+        )
