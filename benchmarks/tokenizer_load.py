@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from helpers import find_tokenizer_path  # noqa: E402
 
-from llama.tokenizer import Tokenizer, _ranks_line_by_line, load_bpe_ranks  # noqa: E402
+from llama.tokenizer.bpe import Tokenizer, _ranks_line_by_line, load_bpe_ranks  # noqa: E402
 
 
 def unchecked_ranks(path: str) -> dict:

@@ -16,7 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llama import ChatFormat, Tokenizer
-from llama.tokenizer import _ASSISTANT_HEADER, BUILTIN_TOOLS, STOP_REASONS, TOOL_PROMPT_FORMATS, _function_tag
+from llama.tokenizer import BUILTIN_TOOLS, STOP_REASONS, TOOL_PROMPT_FORMATS
+from llama.tokenizer.chat_format import _ASSISTANT_HEADER
+from llama.tokenizer.tool_calls import _function_tag
 from llama.tools import (
     Tool,
     function_tag_tools_prompt,

@@ -418,11 +418,11 @@ class ValidatedFileTest(unittest.TestCase):
     def test_a_file_that_cannot_be_read(self):
         from unittest import mock
 
-        import llama.tokenizer
+        import llama.tokenizer.bpe
 
         self.path.write_bytes(b"\n".join(byte_lines()) + b"\n")
         denied = PermissionError(13, "Permission denied")
-        with mock.patch.object(llama.tokenizer.blobfile, "read_bytes", side_effect=denied):
+        with mock.patch.object(llama.tokenizer.bpe.blobfile, "read_bytes", side_effect=denied):
             with self.assertRaisesRegex(ValueError, f"Cannot read the tokenizer model file {self.path}.*denied"):
                 Tokenizer(str(self.path))
 
@@ -546,10 +546,10 @@ class BlobfileTest(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        import llama.tokenizer
+        import llama.tokenizer.bpe
 
-        # The blobfile module as llama.tokenizer sees it; patching its functions patches what the tokenizer calls.
-        cls.blobfile = llama.tokenizer.blobfile
+        # The blobfile module as llama.tokenizer.bpe sees it; patching its functions patches what the tokenizer calls.
+        cls.blobfile = llama.tokenizer.bpe.blobfile
 
     def test_local_path_is_read_through_blobfile(self):
         from unittest import mock

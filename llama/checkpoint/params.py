@@ -15,10 +15,7 @@ from llama.model import ModelArgs
 from llama.tokenizer import short_repr
 
 HF_CONFIG = "config.json"
-
-
 META_PARAMS = "params.json"
-
 
 # The kind of value each configuration field holds ("int", "number", "bool"), whether it may be null, and for a
 # number the largest value allowed; every number must be positive, and finite. Checked when the file is read, so
@@ -26,32 +23,14 @@ META_PARAMS = "params.json"
 # 16384, 126 layers, 128 heads, FFN width 53248, vocabulary 128256, rope_theta 500000) and low enough that every
 # size computed from them stays exact in int64 and float32.
 MAX_WIDTH = 2**20  # dim, and a head's width
-
-
 MAX_LAYERS = 2**12
-
-
 MAX_HEADS = 2**16
-
-
 MAX_VOCAB = 2**24
-
-
 MAX_FFN_WIDTH = 2**24
-
-
 MAX_ROPE_THETA = 1e12
-
-
 MAX_ROPE_SCALING_FACTOR = 2**10
-
-
 MAX_FFN_DIM_MULTIPLIER = 2**8
-
-
 MAX_NORM_EPS = 1.0
-
-
 PARAMS_FIELDS = {
     "dim": ("int", False, MAX_WIDTH),
     "n_layers": ("int", False, MAX_LAYERS),
@@ -66,11 +45,7 @@ PARAMS_FIELDS = {
     "rope_scaling_factor": ("number", True, MAX_ROPE_SCALING_FACTOR),
     "tie_word_embeddings": ("bool", True, None),
 }
-
-
 PARAMS_REQUIRED = ("dim", "n_layers", "n_heads", "vocab_size")
-
-
 HF_CONFIG_FIELDS = {
     "hidden_size": ("int", False, MAX_WIDTH),
     "num_hidden_layers": ("int", False, MAX_LAYERS),
@@ -85,8 +60,6 @@ HF_CONFIG_FIELDS = {
     "attention_bias": ("bool", True, None),
     "mlp_bias": ("bool", True, None),
 }
-
-
 HF_CONFIG_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
 
 

@@ -15,14 +15,8 @@ from llama.model import ModelArgs
 # fairscale's layout: column-parallel layers (and the vocab-parallel embedding) split their weight along
 # dim 0, row-parallel layers along dim 1; everything else (the norms) is replicated on every rank.
 SPLIT_ON_DIM_0 = {"tok_embeddings", "output", "wq", "wk", "wv", "w1", "w3"}
-
-
 SPLIT_ON_DIM_1 = {"wo", "w2"}
-
-
 LINEAR_LAYERS = SPLIT_ON_DIM_0 - {"tok_embeddings"} | SPLIT_ON_DIM_1  # the ones `llama.quantize` quantizes
-
-
 IGNORED_KEYS = {"rope.freqs"}  # a precomputed RoPE table some Meta checkpoints carry; we compute our own
 
 

@@ -1,0 +1,34 @@
+"""Text to token IDs and back, one concern a module: `bpe` (the `Tokenizer`: tokenizer.model's ranks run by
+tiktoken, the special tokens), `messages` (the shapes of messages and tool calls), `chat_format` (`ChatFormat`:
+dialogs written as tokens, answers read back) and `tool_calls` (tool calls as text, written and parsed)."""
+
+from llama.tokenizer.bpe import SUPPORTED_VERSIONS, Tokenizer, load_bpe_ranks, short_repr, token_id_list
+from llama.tokenizer.chat_format import ChatFormat
+from llama.tokenizer.messages import STOP_REASONS, Dialog, Message, Role, StopReason, ToolCall
+from llama.tokenizer.tool_calls import (
+    BUILTIN_TOOLS,
+    TOOL_PROMPT_FORMATS,
+    check_tool_call,
+    encode_tool_call,
+    parse_tool_calls,
+)
+
+__all__ = [
+    "BUILTIN_TOOLS",
+    "ChatFormat",
+    "Dialog",
+    "Message",
+    "Role",
+    "STOP_REASONS",
+    "SUPPORTED_VERSIONS",
+    "StopReason",
+    "TOOL_PROMPT_FORMATS",
+    "Tokenizer",
+    "ToolCall",
+    "check_tool_call",
+    "encode_tool_call",
+    "load_bpe_ranks",
+    "parse_tool_calls",
+    "short_repr",
+    "token_id_list",
+]
