@@ -129,7 +129,7 @@ def matmul_attention_switch(generator: Llama):
     min_scores = llama.cpu.MATMUL_ATTENTION_MIN_SCORES
 
     def switch(on: bool) -> None:
-        llama.cpu.MATMUL_ATTENTION_MIN_SCORES = min_scores if on else sys.maxsize
+        llama.cpu.kernels.MATMUL_ATTENTION_MIN_SCORES = min_scores if on else sys.maxsize
 
     return switch
 
@@ -142,7 +142,7 @@ def fp16_call_switch(generator: Llama):
         return [torch.ops.quantized.linear_dynamic_fp16(rows, block) for block in packed]
 
     def switch(on: bool) -> None:
-        llama.cpu.fp16_products = fp16_products if on else plain_call
+        llama.cpu.kernels.fp16_products = fp16_products if on else plain_call
 
     return switch
 

@@ -85,7 +85,7 @@ def main() -> None:
                 for rows, packed in calls:
                     llama.cpu.fp16_products(rows, packed)
 
-        llama.cpu.fp16_linear = recording
+        llama.cpu.layers.fp16_linear = llama.cpu.kernels.fp16_linear = recording
         decode(1)
         for _, packed in calls:
             unpacked = (torch.ops.quantized.linear_unpack_fp16(block)[0] for block in packed)
@@ -94,10 +94,10 @@ def main() -> None:
         timings = {}
         for name, product in (("whole step", fp16_linear), ("all but the products", replaying),
                               ("all but the products, with reads", streaming)):  # fmt: skip
-            llama.cpu.fp16_linear = product
+            llama.cpu.layers.fp16_linear = llama.cpu.kernels.fp16_linear = product
             decode(2)
             timings[name] = median_ms(decode, args.steps, args.repeats)
-        llama.cpu.fp16_linear = fp16_linear
+        llama.cpu.layers.fp16_linear = llama.cpu.kernels.fp16_linear = fp16_linear
         timings["products alone"] = median_ms(products_alone, args.steps, args.repeats)
         reads = median_ms(
             lambda steps: [read_as_many_bytes(packed) for _ in range(steps) for _, packed in calls],

@@ -1,4 +1,4 @@
-"""The CPU speed-ups keep the reference math: llama/cpu.py's linear layers (packed oneDNN weights, float16 copies of
+"""The CPU speed-ups keep the reference math: llama.cpu's linear layers (packed oneDNN weights, float16 copies of
 bfloat16 weights and of float32 ones holding bfloat16 values, matrix-vector kernels), fused attention, and
 `llama.parallel_layers` against fairscale's layers, on tiny random weights.
 
@@ -25,6 +25,9 @@ from helpers import (
 )
 
 import llama.cpu
+import llama.cpu.choice
+import llama.cpu.kernels
+import llama.cpu.layers
 from llama.cpu import (
     CPULinear,
     fbgemm_fp16_supported,
@@ -36,6 +39,13 @@ from llama.cpu import (
 from llama.demo import random_weights
 from llama.model import Transformer
 from llama.parallel_layers import ParallelEmbedding, ParallelLinear, unpack_layers, use_parallel_layers
+
+
+def patch_cpu(monkeypatch, name: str, value) -> None:
+    """Set the global `name` of every module of `llama.cpu` that uses it to `value`, for the test's duration."""
+    for module in (llama.cpu.kernels, llama.cpu.layers, llama.cpu.choice):
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, value)
 
 
 def reference_model(tmp_path, weights, dtype) -> Transformer:
@@ -95,7 +105,7 @@ def greedy_tokens(model: Transformer, prompt: torch.Tensor, steps: int) -> torch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_fast_path_keeps_greedy_tokens_and_torch_settings(process_group, tmp_path, dtype, monkeypatch):
-    monkeypatch.setattr(llama.cpu, "fbgemm_fp16_supported", lambda: False)  # float16 copies: tested below
+    patch_cpu(monkeypatch, "fbgemm_fp16_supported", lambda: False)  # float16 copies: tested below
     weights = random_weights(GQA_PARAMS, seed=12)
     fast = load_tiny(tmp_path / "fast", weights, dtype)
     reference = reference_model(tmp_path / "reference", weights, dtype)
@@ -169,9 +179,7 @@ def test_inputs_run_on_the_kernel_chosen_for_their_row_count(process_group, monk
     """One row runs on the kernel chosen for one row, up to the batch's rows on the batch's, more on the prompt's."""
     calls = []
     run_kernel = llama.cpu.run_kernel
-    monkeypatch.setattr(
-        llama.cpu, "run_kernel", lambda kernel, *args: calls.append(kernel) or run_kernel(kernel, *args)
-    )
+    patch_cpu(monkeypatch, "run_kernel", lambda kernel, *args: calls.append(kernel) or run_kernel(kernel, *args))
     layer = kernel_layer(torch.float32, {1: "mv", 8: "onednn", 256: "linear"})
     expected = {1: "mv", 2: "onednn", 8: "onednn", 9: "linear", 256: "linear", 1000: "linear"}
     for rows, kernel in expected.items():
@@ -234,7 +242,7 @@ def test_parallel_layers_compute_what_fairscale_layers_do(process_group, tmp_pat
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_no_packed_copies_without_memory_for_them(process_group, tmp_path, monkeypatch, dtype):
     """A second copy of the weights is made only when the system has twice its size available."""
-    monkeypatch.setattr(llama.cpu, "available_memory", lambda: 0)
+    patch_cpu(monkeypatch, "available_memory", lambda: 0)
     model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=15), dtype)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(7))
     incremental_logits(model, tokens, [6, 1, 1])
@@ -247,8 +255,8 @@ def test_no_packed_weights_without_their_kernels(process_group, tmp_path, monkey
     """Without oneDNN's bfloat16 kernels (AVX-512 and later) or fbgemm's float16 ones (x86), a bfloat16 model runs
     on the bfloat16 weights as loaded, and asking for either kernel is a clear error, not a crash at the first
     batch."""
-    monkeypatch.setattr(llama.cpu, "onednn_bf16_supported", lambda: False)
-    monkeypatch.setattr(llama.cpu, "fbgemm_fp16_supported", lambda: False)
+    patch_cpu(monkeypatch, "onednn_bf16_supported", lambda: False)
+    patch_cpu(monkeypatch, "fbgemm_fp16_supported", lambda: False)
     model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=15), torch.bfloat16)
     layers = [m for m in model.modules() if isinstance(m, CPULinear)]
     assert layers and all(set(layer.kernels.values()) <= {"mv", "linear"} for layer in layers)
@@ -269,7 +277,7 @@ def test_float16_copy_holds_each_bfloat16_weight(monkeypatch):
     """The float16 copy gives back every bfloat16 weight exactly, but for the smallest (below 2**-17), which move by
     at most half of 2**-24; blocks of rows join in order. The same holds for float32 weights of bfloat16 values. A
     weight float16 cannot hold is not copied."""
-    monkeypatch.setattr(llama.cpu, "FP16_BLOCK_VALUES", 7 * 16)  # 7 rows a block: blocks of 7, 7 and 6
+    patch_cpu(monkeypatch, "FP16_BLOCK_VALUES", 7 * 16)  # 7 rows a block: blocks of 7, 7 and 6
     weight = torch.randn(20, 16, generator=torch.Generator().manual_seed(4))
     weight[0, :6] = torch.tensor([6e4, -6e4, 2**-14, 3 * 2**-17, 1e-7, -5e-9])
     weight = weight.bfloat16()
@@ -452,7 +460,7 @@ def test_one_position_attention_rounds_as_meta_bfloat16_attention(process_group,
     """The float32-matmul attention of one new position (beyond `MATMUL_ATTENTION_MIN_SCORES`, lowered here) gives
     Meta's bfloat16 attention bit for bit, grouped-query heads and batches included; SDPA's bfloat16 kernel,
     which it replaces there, rounds elsewhere."""
-    monkeypatch.setattr(llama.cpu, "MATMUL_ATTENTION_MIN_SCORES", 0)
+    patch_cpu(monkeypatch, "MATMUL_ATTENTION_MIN_SCORES", 0)
     generator = torch.Generator().manual_seed(6)
     for bsz, n_heads, n_kv_heads, positions in [(1, 4, 1, 40), (2, 8, 2, 130), (1, 6, 6, 300)]:
         xq = torch.randn(bsz, 1, n_heads, 64, generator=generator).bfloat16()
@@ -469,7 +477,7 @@ def test_bfloat16_decoding_with_one_position_attention_gives_meta_logits(process
     """Fed one token at a time, a bfloat16 model whose attention of one new position runs on float32 matmuls gives
     the logits of Meta's attention bit for bit (the same layers on both sides), where SDPA's do not; on CPUs
     without oneDNN's bfloat16 kernels `Llama.build` sets it."""
-    monkeypatch.setattr(llama.cpu, "onednn_bf16_supported", lambda: False)
+    patch_cpu(monkeypatch, "onednn_bf16_supported", lambda: False)
     weights = random_weights(GQA_PARAMS, seed=12)
     fast = load_tiny(tmp_path / "fast", weights, torch.bfloat16)
     assert all(block.attention.one_position_attention is llama.cpu.one_position_attention for block in fast.layers)
@@ -479,7 +487,7 @@ def test_bfloat16_decoding_with_one_position_attention_gives_meta_logits(process
     one_at_a_time = [1] * tokens.shape[1]
     expected = incremental_logits(reference, tokens, one_at_a_time)
     assert not torch.equal(incremental_logits(fast, tokens, one_at_a_time), expected)  # SDPA: too few scores
-    monkeypatch.setattr(llama.cpu, "MATMUL_ATTENTION_MIN_SCORES", 0)
+    patch_cpu(monkeypatch, "MATMUL_ATTENTION_MIN_SCORES", 0)
     assert torch.equal(incremental_logits(fast, tokens, one_at_a_time), expected)
 
 
@@ -525,7 +533,7 @@ def measured_products(monkeypatch) -> list:
         measured.append((llama.cpu.product_name(layers), rows))
         return measure(layers, rows, *args)
 
-    monkeypatch.setattr(llama.cpu, "measure", counting)
+    patch_cpu(monkeypatch, "measure", counting)
     return measured
 
 
@@ -582,7 +590,7 @@ def test_the_fastest_candidate_is_chosen(process_group, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for fastest in ("linear", "onednn"):
         fake = {"fp16": 3.0, "onednn": 2.0, "mv": 2.5, "linear": 4.0, fastest: 1.0}
-        monkeypatch.setattr(llama.cpu, "time_kernels", lambda runs, flush: {k: fake[k] for k in runs})
+        patch_cpu(monkeypatch, "time_kernels", lambda runs, flush: {k: fake[k] for k in runs})
         monkeypatch.setattr(torch, "__version__", f"measured for {fastest}")
         model = load_tiny(tmp_path / fastest, random_weights(GQA_PARAMS, seed=12), torch.float32)
         assert all(set(kernels.values()) == {fastest} for kernels in chosen_kernels(model))

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import llama.checkpoint.load
-import llama.cpu
+import llama.cpu.layers
 import llama.distributed
 from llama import Llama
 from llama.checkpoint import AllocateOnMeta
@@ -56,7 +56,7 @@ def test_only_the_first_process_prints_and_stdout_stays(tiny_checkpoint, tokeniz
     for rank in (1, 0):  # as torchrun's global ranks; the model-parallel rank stays 0
         monkeypatch.setattr(llama.distributed, "global_rank", lambda rank=rank: rank)
         monkeypatch.setattr(llama.checkpoint.load, "global_rank", lambda rank=rank: rank)
-        monkeypatch.setattr(llama.cpu, "global_rank", lambda rank=rank: rank)  # its float16 copies' line
+        monkeypatch.setattr(llama.cpu.layers, "global_rank", lambda rank=rank: rank)  # its float16 copies' line
         captured = io.StringIO()
         monkeypatch.setattr(sys, "stdout", captured)
         Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=16, max_batch_size=1, device="cpu")

@@ -1,0 +1,106 @@
+"""CPU speed-up, applied at load: each linear layer's product on the kernel that runs it fastest on this CPU.
+
+Which kernel is fastest depends on the CPU (AVX2 or AVX-512, bfloat16 instructions or not), the torch build, the
+shape and the number of rows, so it is measured here rather than guessed from CPU flags: at load, for each product
+shape and the row counts that matter (one row, the batch, a prompt), the kernels that keep the math
+(`candidate_kernels`) are timed (`time_kernels`) and the fastest is kept; the choice is cached per CPU, torch
+version and shape (`KernelCache`), so a later load does not measure again. `LLAMA_CPU_KERNEL` pins one kernel.
+
+Every kernel keeps the reference math: only the order in which the float32 products are summed changes, and on
+float16 copies of weights that hold bfloat16 values (`pack_as_fp16`: bfloat16 weights, or float32 ones from a
+bfloat16 checkpoint) the smallest weights round by less than 3e-8. Tests hold logits within 1e-4 of the reference
+math in float32 and greedy tokens equal. Figures: `benchmarks/bench.py`, docs/speed.md.
+
+One concern a module: `kernels` (what each kernel runs and needs), `layers` (`CPULinear`, `FusedProduct`) and
+`choice` (the measurements, their cache, and `speed_up_for_cpu`).
+"""
+
+from llama.cpu.choice import (
+    DECODE_SAMPLE_VALUES,
+    PROMPT_ROWS,
+    PROMPT_SAMPLE_VALUES,
+    TIMED_ROUNDS,
+    KernelCache,
+    choose_kernels,
+    cpu_flags,
+    cpu_name,
+    cpuinfo_fields,
+    last_level_cache_bytes,
+    measure,
+    row_counts,
+    speed_up_for_cpu,
+    time_kernels,
+    weight_sample,
+)
+from llama.cpu.kernels import (
+    FP16_BLOCK_VALUES,
+    FP16_MAX,
+    KERNEL_VARIABLE,
+    KERNELS,
+    MATMUL_ATTENTION_MIN_SCORES,
+    candidate_kernels,
+    fbgemm_fp16_supported,
+    fp16_linear,
+    fp16_products,
+    holds_bfloat16_values,
+    one_position_attention,
+    onednn_bf16_supported,
+    onednn_supported,
+    pack_as_fp16,
+    pinned_kernel,
+    run_kernel,
+    unchanged,
+    with_versions,
+)
+from llama.cpu.layers import (
+    CPULinear,
+    FusedProduct,
+    fuse_fp16_products,
+    make_fp16_copies,
+    product_name,
+    products,
+    use_cpu_linear_layers,
+)
+
+__all__ = [
+    "CPULinear",
+    "DECODE_SAMPLE_VALUES",
+    "FP16_BLOCK_VALUES",
+    "FP16_MAX",
+    "FusedProduct",
+    "KERNELS",
+    "KERNEL_VARIABLE",
+    "KernelCache",
+    "MATMUL_ATTENTION_MIN_SCORES",
+    "PROMPT_ROWS",
+    "PROMPT_SAMPLE_VALUES",
+    "TIMED_ROUNDS",
+    "candidate_kernels",
+    "choose_kernels",
+    "cpu_flags",
+    "cpu_name",
+    "cpuinfo_fields",
+    "fbgemm_fp16_supported",
+    "fp16_linear",
+    "fp16_products",
+    "fuse_fp16_products",
+    "holds_bfloat16_values",
+    "last_level_cache_bytes",
+    "make_fp16_copies",
+    "measure",
+    "one_position_attention",
+    "onednn_bf16_supported",
+    "onednn_supported",
+    "pack_as_fp16",
+    "pinned_kernel",
+    "product_name",
+    "products",
+    "row_counts",
+    "run_kernel",
+    "speed_up_for_cpu",
+    "time_kernels",
+    "unchanged",
+    "use_cpu_linear_layers",
+    "weight_sample",
+    "with_versions",
+]

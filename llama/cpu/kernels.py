@@ -1,0 +1,178 @@
+"""The kernels a CPU linear product may run on, and what each needs: oneDNN, fbgemm on float16 copies of the
+weights (`pack_as_fp16`), `torch.mv`, `F.linear`; and one new position's attention on float32 matmuls
+(`one_position_attention`). Each keeps the reference math; they differ in the order of the sums only."""
+
+import math
+import os
+import sys
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def onednn_supported(device: torch.device) -> bool:
+    """Whether this torch build can run `CPULinear` layers on `device`."""
+    return (
+        device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN has bfloat16 kernels for this CPU (AVX-512 or AVX-NE-CONVERT); without them it cannot pack
+    bfloat16 weights, and AVX2 machines lack them."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return check is not None and check()
+
+
+def fbgemm_fp16_supported() -> bool:
+    """Whether this torch build has fbgemm's float16-weight linear kernels (x86 builds do)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+        torch.ops.quantized, "linear_prepack_fp16"
+    )
+
+
+FP16_MAX = torch.finfo(torch.float16).max
+FP16_BLOCK_VALUES = 2**24  # fbgemm packs blocks of this size 3-4x faster than a 128256-row head whole
+
+
+def holds_bfloat16_values(weight: torch.Tensor) -> bool:
+    """Whether every value of `weight` is a bfloat16 value: true of bfloat16 weights, and of float32 ones loaded
+    from a bfloat16 checkpoint, whose low 16 bits are then zero (counted on a view of them: no copy is made)."""
+    if weight.dtype == torch.bfloat16:
+        return True
+    if weight.dtype != torch.float32 or not weight.is_contiguous():
+        return False
+    low_halves = weight.view(torch.int16).view(*weight.shape, 2)[..., 0 if sys.byteorder == "little" else 1]
+    return int(torch.count_nonzero(low_halves)) == 0
+
+
+def pack_as_fp16(*weights: torch.Tensor) -> Optional[List[torch.Tensor]]:
+    """fbgemm's packed float16 copy of `weights` stacked by rows (one weight, or the weights of layers that share
+    an input), in blocks of rows, or None where float16 cannot hold them: a value that is not a bfloat16 value
+    (`holds_bfloat16_values`; checked before anything is stacked), lies outside float16's range, or is not finite.
+
+    Within that range float16 holds every bfloat16 value exactly, except those below 2**-17 in magnitude, which
+    it rounds to a multiple of 2**-24 (float16's subnormals): a change below 3e-8 per weight.
+    """
+    if not all(holds_bfloat16_values(weight) for weight in weights):
+        return None
+    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+    rows = max(1, FP16_BLOCK_VALUES // weight.shape[1])
+    packed = []
+    for block in weight.detach().split(rows):
+        block = block.float()
+        if not (block.amax() <= FP16_MAX and block.amin() >= -FP16_MAX):  # also false for NaN
+            return None
+        packed.append(torch.ops.quantized.linear_prepack_fp16(block, None))
+    return packed
+
+
+def fp16_products(rows: torch.Tensor, packed: List[torch.Tensor]) -> List[torch.Tensor]:
+    """fbgemm's product of float32 `rows` with each block of a packed float16 weight.
+
+    Called as a `torch.ops` op, each product first looks for `__torch_function__` on its arguments, and on the
+    packed weight (a TorchScript object) that lookup raises an AttributeError in C++ and catches it: some 14 us
+    of a small product's 19 here, over 30 calls a step for a model of 8 layers. With torch functions of tensor
+    subclasses switched off for the call (the activations are plain tensors), the lookup is skipped.
+    """
+    with torch._C.DisableTorchFunctionSubclass():
+        return [torch.ops.quantized.linear_dynamic_fp16(rows, block) for block in packed]
+
+
+def fp16_linear(x: torch.Tensor, packed: List[torch.Tensor]) -> torch.Tensor:
+    """`x @ weight.T` on the packed float16 weight: float32 input and sums, the result rounded to `x.dtype`."""
+    y = fp16_products(x.reshape(-1, x.shape[-1]).float(), packed)
+    y = y[0] if len(y) == 1 else torch.cat(y, dim=-1)
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def with_versions(weights: List[torch.Tensor]) -> list:
+    """Each weight with its version now, to tell later whether a copy made from them still holds them."""
+    return [(weight, weight._version) for weight in weights]
+
+
+def unchanged(recorded: list, weights: List[torch.Tensor]) -> bool:
+    """Whether `weights` are the tensors `with_versions` recorded, none replaced or changed in place since.
+
+    A change is seen through the tensor's version counter, which in-place ops bump (under `torch.no_grad()` or
+    `load_state_dict`); writes through `.data` do not bump it.
+    """
+    return all(weight is old and weight._version == version for weight, (old, version) in zip(weights, recorded))
+
+
+# The kernels a product can run on. Each computes `x @ weight.T` with float32 products summed in float32 (the
+# result rounded to the input's dtype, as `F.linear` rounds it); they differ in the order of the sums only.
+KERNELS = ("fp16", "onednn", "mv", "linear")
+KERNEL_VARIABLE = "LLAMA_CPU_KERNEL"  # pins one kernel for every product it can run: for tests and bisecting
+
+
+def candidate_kernels(dtype: torch.dtype, rows: int, fp16_holds: bool, copies: bool) -> List[str]:
+    """The kernels that keep the reference math for a product of `rows` rows with weights of `dtype` here.
+
+    `fp16_holds`: float16 holds the weights exactly (`holds_bfloat16_values`); `copies`: memory allows a second
+    copy of the weights (a float16 copy, or oneDNN's packed one).
+    """
+    kernels = []
+    if fp16_holds and copies and fbgemm_fp16_supported():
+        kernels.append("fp16")  # fbgemm on a float16 copy: float32 products of the same numbers
+    if dtype == torch.float32:
+        kernels.append("onednn")  # oneDNN's float32 kernel on the weight as loaded
+    elif copies and onednn_bf16_supported():
+        kernels.append("onednn")  # oneDNN's bfloat16 kernel on a copy in its blocked layout: F.linear's own kernel
+    if rows == 1:
+        kernels.append("mv")  # PyTorch's matrix-vector product, what F.linear runs for one row without oneDNN
+    kernels.append("linear")  # F.linear, the reference's own call
+    return kernels
+
+
+def pinned_kernel() -> Optional[str]:
+    """The kernel `LLAMA_CPU_KERNEL` pins, or None where it is unset (or empty): the kernels are measured."""
+    kernel = os.environ.get(KERNEL_VARIABLE, "").strip()
+    if kernel and kernel not in KERNELS:
+        choices = ", ".join(KERNELS)
+        raise ValueError(f"{KERNEL_VARIABLE}={kernel!r} is not a CPU kernel: set one of {choices}, or unset it")
+    return kernel or None
+
+
+def run_kernel(kernel: str, x: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
+    """`x @ weight.T` on `kernel`; `packed` is the weight's copy for the kernels that run on one (float16 blocks
+    for "fp16", oneDNN's layout for "onednn" in bfloat16)."""
+    if kernel == "fp16":
+        return fp16_linear(x, packed)
+    if kernel == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, weight if packed is None else packed, None, "none", [], "")
+    if kernel == "mv" and x.numel() == x.shape[-1]:
+        return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], -1)
+    return F.linear(x, weight)
+
+
+# From this many scores (query heads x positions attended) on, `one_position_attention` runs on float32 matmuls;
+# below it SDPA's bfloat16 kernel is about as fast or faster (4 to 32 heads over 16 to 64 positions: 14 to 92 us
+# against 76 to 107 us, which a dozen small operations cost whatever their size).
+MATMUL_ATTENTION_MIN_SCORES = 2048
+
+
+def one_position_attention(xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """bfloat16 attention of one new position per sequence (`Attention.one_position_attention`), rounded where
+    Meta's code rounds it: the scores to bfloat16, then divided by sqrt(head_dim) in bfloat16, the softmax (in
+    float32) to bfloat16, and the weighted sum of values to bfloat16. The products of bfloat16 values are exact in
+    float32, so float32 matmuls give Meta's bfloat16 matmuls but for the order of their sums.
+
+    Where oneDNN has no bfloat16 kernels (AVX2), SDPA's bfloat16 kernel attends one position slowly: for 32 query
+    heads over 1000 positions about 2.2 ms here, against 0.4 ms this way; in Llama 3.2 1B at position 600, 2 ms of
+    each layer's 7.7 ms (profiled). Below `MATMUL_ATTENTION_MIN_SCORES` scores, SDPA is as fast and is kept.
+    """
+    bsz, n_heads, _, head_dim = xq.shape
+    n_kv_heads, positions = keys.shape[1], keys.shape[2]
+    if n_heads * positions < MATMUL_ATTENTION_MIN_SCORES:
+        return F.scaled_dot_product_attention(xq, keys, values, enable_gqa=n_heads > n_kv_heads)
+    # Query head h attends with kv head h // (n_heads // n_kv_heads), as Meta's repeat_kv pairs them.
+    queries = xq.reshape(bsz, n_kv_heads, n_heads // n_kv_heads, head_dim).float()
+    scores = torch.matmul(queries, keys.float().transpose(2, 3)).to(xq.dtype).div_(math.sqrt(head_dim))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(xq.dtype)
+    output = torch.matmul(probs.float(), values.float()).to(xq.dtype)
+    return output.view(bsz, n_heads, 1, head_dim)
