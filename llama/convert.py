@@ -34,6 +34,7 @@ from llama.checkpoint import (
     permute_for_rotate_half,
     rank_weights,
     save_shard,
+    saved_quantization,
     split_dim,
     write_meta_checkpoint,
 )
@@ -44,7 +45,6 @@ from llama.quantize import (
     check_group_size,
     check_scheme,
     quantize_for_saving,
-    saved_quantization,
     saved_shapes,
 )
 

@@ -89,12 +89,6 @@ class CUDAGraphDecodeStep:
         return cache.cache_k.data_ptr(), cache.cache_v.data_ptr(), self.model.freqs_cis.data_ptr()
 
 
-def use_cuda_graphs(device: torch.device, model_parallel_size: int, requested: bool) -> bool:
-    """Whether `Llama.build` decodes through `CUDAGraphDecodeStep`: when asked (the default) on a CUDA device in one
-    process. Under model parallelism the step holds NCCL all-reduces, which are left to eager launches."""
-    return requested and device.type == "cuda" and model_parallel_size == 1
-
-
 def decode_step_bytes(args: ModelArgs, model_parallel_size: int, dtype: torch.dtype) -> int:
     """A generous bound on the memory one decode step's activations hold at `args.max_batch_size` rows: what a
     recorded graph keeps in its pool. The largest are the logits (in `dtype`, then float32, plus the copy handed

@@ -11,11 +11,10 @@ import torch
 
 from llama.checkpoint import load_checkpoint
 from llama.cpu import speed_up_for_cpu
-from llama.cuda_graphs import CUDAGraphDecodeStep, use_cuda_graphs
+from llama.cuda_graphs import CUDAGraphDecodeStep
 from llama.decoding import BatchDecoder, StopReason, StreamChunk, checked_gen_len, compiled_decode_step
 from llama.model import Transformer
 from llama.parallel_layers import use_parallel_layers
-from llama.quantize import choose_int8_kernels
 from llama.tokenizer import ChatFormat, Dialog, Message, Tokenizer
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -244,13 +243,17 @@ class Llama:
 
 def use_inference_layers(model: Transformer) -> Transformer:
     """Replace the model's fairscale layers, in place, with layers of the same weights and math that run faster
-    for inference: the CPU kernels of `llama.cpu` where they apply, the faster int8 product on a GPU (timed), then
-    `llama.parallel_layers` for the rest (collectives called directly, skipped in one process). Returns the
-    model."""
+    for inference: the CPU kernels of `llama.cpu` where they apply, then `llama.parallel_layers` for the rest
+    (collectives called directly, skipped in one process). Returns the model."""
     speed_up_for_cpu(model)
-    choose_int8_kernels(model)
     use_parallel_layers(model)
     return model
+
+
+def use_cuda_graphs(device: torch.device, model_parallel_size: int, requested: bool) -> bool:
+    """Whether `Llama.build` decodes through `CUDAGraphDecodeStep`: when asked (the default) on a CUDA device in one
+    process. Under model parallelism the step holds NCCL all-reduces, which are left to eager launches."""
+    return requested and device.type == "cuda" and model_parallel_size == 1
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: List[str]) -> List[List[int]]:

@@ -354,24 +354,6 @@ def quantized_bytes(model: nn.Module) -> int:
 SAVED_DTYPE = torch.bfloat16  # quantized checkpoints are made from bfloat16 weights and hold bfloat16 floats
 
 
-def saved_quantization(params: dict, path) -> Optional[Tuple[str, Optional[int]]]:
-    """(scheme, group size) of a quantized checkpoint's params.json, None for a floating-point one."""
-    saved = params.get("quantization")
-    if saved is None:
-        return None
-    scheme = saved.get("scheme") if isinstance(saved, dict) else None
-    if scheme not in SCHEMES:
-        raise ValueError(
-            f"{path} says the checkpoint is quantized as {saved!r}, a scheme this version of llama does not know "
-            f"(it knows {', '.join(SCHEMES)}); load it with the llama version that wrote it, or quantize the "
-            "original checkpoint again with `python -m llama.convert quantize`"
-        )
-    group_size = saved.get("group_size")
-    if scheme == "int4" and group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"{path}: quantization group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
-    return scheme, group_size
-
-
 def saved_shapes(
     rows: int, cols: int, row_parallel: bool, scheme: str, group_size: Optional[int], mp_size: int
 ) -> Dict[str, torch.Size]:

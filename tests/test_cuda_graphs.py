@@ -8,8 +8,9 @@ from helpers import ATOL, GQA_PARAMS, load_tiny
 
 import llama.cuda_graphs as cuda_graphs
 from llama.checkpoint import check_kv_cache_fits
-from llama.cuda_graphs import CUDAGraphDecodeStep, decode_step_bytes, use_cuda_graphs
+from llama.cuda_graphs import CUDAGraphDecodeStep, decode_step_bytes
 from llama.demo import random_weights
+from llama.generation import use_cuda_graphs
 from llama.model import ModelArgs
 
 

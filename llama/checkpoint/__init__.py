@@ -30,6 +30,7 @@ from llama.checkpoint.params import (
     checked_int,
     model_args_from,
     read_json,
+    saved_quantization,
 )
 from llama.checkpoint.shards import (
     LINEAR_LAYERS,
@@ -72,6 +73,7 @@ __all__ = [
     "rank_weights",
     "read_json",
     "save_shard",
+    "saved_quantization",
     "split_dim",
     "write_meta_checkpoint",
 ]

@@ -16,7 +16,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llama.checkpoint.hf import HuggingFaceCheckpoint
 from llama.checkpoint.meta import MetaCheckpoint
-from llama.checkpoint.params import BUILD_FIELDS, HF_CONFIG, META_PARAMS, checked_int, model_args_from
+from llama.checkpoint.params import (
+    BUILD_FIELDS,
+    HF_CONFIG,
+    META_PARAMS,
+    checked_int,
+    model_args_from,
+    saved_quantization,
+)
 from llama.checkpoint.shards import CheckpointReader, check_model_parallel_size, rank_weights
 from llama.cuda_graphs import decode_step_bytes
 from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
@@ -24,9 +31,9 @@ from llama.model import ModelArgs, Transformer
 from llama.quantize import (
     check_device,
     check_scheme,
+    choose_int8_kernels,
     layer_from_saved,
     quantize_layer,
-    saved_quantization,
     saved_shapes,
     whole_shape,
 )
@@ -161,7 +168,8 @@ def load_checkpoint(
     quantize: Optional[str] = None,
 ) -> Tuple[Transformer, Tokenizer]:
     """The load sequence of `Llama.build` (see its docstring for the arguments): check the arguments against the
-    checkpoint, join the process group, seed, read the tokenizer and this rank's weights."""
+    checkpoint, read the tokenizer, join the process group, seed, and read (and quantize, if asked) this rank's
+    weights."""
     if tokenizer_path is not None and not isinstance(tokenizer_path, (str, os.PathLike)):
         raise ValueError(
             f"tokenizer_path must be the path of a tokenizer.model file or None, got {short_repr(tokenizer_path)}"
@@ -173,7 +181,7 @@ def load_checkpoint(
     seed = checked_int("seed", seed, -(2**63), 2**64 - 1)  # what torch.manual_seed takes
     if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
         raise ValueError(f"timeout must be a positive datetime.timedelta, got {short_repr(timeout)}")
-    device = resolve_device(device)
+    # Each step once, in order: what the checkpoint holds, its tokenizer, where it runs, the weights.
     reader = open_checkpoint(ckpt_dir)
     tokenizer_path = find_tokenizer(ckpt_dir, tokenizer_path)
     model_args, ignored = model_args_from(reader.params, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
@@ -185,16 +193,23 @@ def load_checkpoint(
     if saved:
         check_quantize_matches(quantize, saved[0], ckpt_dir)
         quantize = saved[0]
-    if quantize is not None:
-        check_scheme(quantize)
-        if dtype is None and device.type == "cpu":
-            dtype = torch.bfloat16  # what the CPU's weight-only kernels run fastest with
-    dtype = resolve_dtype(reader.dtype if dtype is None and reader.format == "hf" else dtype, device)
-    if quantize is not None:
-        check_device(device, quantize, dtype)
 
     start_time = time.time()
+    tokenizer = Tokenizer(tokenizer_path, version=version or ("3.1" if model_args.use_scaled_rope else "3"))
+    if model_args.vocab_size != tokenizer.n_words:
+        raise ValueError(
+            f"The checkpoint's vocab_size ({model_args.vocab_size}) differs from the tokenizer's "
+            f"({tokenizer.n_words} tokens in {tokenizer_path}); use the tokenizer.model that came with it"
+        )
+    device = resolve_device(device)
+    if quantize is not None and dtype is None and device.type == "cpu":
+        dtype = torch.bfloat16  # what the CPU's weight-only kernels run fastest with
+    dtype = resolve_dtype(reader.dtype if dtype is None and reader.format == "hf" else dtype, device)
+    if quantize is not None:
+        check_scheme(quantize)
+        check_device(device, quantize, dtype)
     model_parallel_size = init_model_parallel(device, model_parallel_size, timeout)
+    first_process = global_rank() == 0
     torch.manual_seed(seed)  # the same in all processes: they must sample the same tokens
     logger.info("Loading a %s checkpoint from %s", "Meta" if reader.format == "meta" else "Hugging Face", ckpt_dir)
     if ignored:
@@ -203,17 +218,12 @@ def load_checkpoint(
             ignored,
             ", ".join(BUILD_FIELDS),
         )
-
-    tokenizer = Tokenizer(tokenizer_path, version=version or ("3.1" if model_args.use_scaled_rope else "3"))
-    if model_args.vocab_size != tokenizer.n_words:
-        raise ValueError(
-            f"The checkpoint's vocab_size ({model_args.vocab_size}) differs from the tokenizer's "
-            f"({tokenizer.n_words} tokens in {tokenizer_path}); use the tokenizer.model that came with it"
-        )
     check_kv_cache_fits(model_args, model_parallel_size, device, dtype)
     mp_rank = fs_init.get_model_parallel_rank()
     model = load_model(reader, model_args, mp_rank, model_parallel_size, device, dtype, quantize)
-    if global_rank() == 0:  # the reference prints this line; other processes load the same way, silently
+    if quantize == "int8":
+        choose_int8_kernels(model)  # on a GPU, the faster of its two int8 products for each shape (timed)
+    if first_process:  # the reference prints this line; other processes load the same way, silently
         print(f"Loaded in {time.time() - start_time:.2f} seconds")
     return model, tokenizer
 
@@ -229,13 +239,13 @@ def check_quantize_matches(quantize: Optional[str], saved_scheme: str, ckpt_dir)
 def check_kv_cache_fits(args: ModelArgs, mp_size: int, device: torch.device, dtype: torch.dtype) -> None:
     """Raise a ValueError, before anything is allocated, when this process's KV cache cannot fit on `device`. On
     CUDA the activations of a decode step at the whole batch count too: a recorded CUDA graph keeps them."""
+    free = free_memory(device)
     elements = 2 * args.n_layers * args.max_batch_size * args.max_seq_len * (args.kv_heads // mp_size) * args.head_dim
     needed = elements * torch.empty(0, dtype=dtype).element_size()
     what = "The KV cache"
     if device.type == "cuda":
         needed += decode_step_bytes(args, mp_size, dtype)
         what = "The KV cache and a decode step's activations"
-    free = free_memory(device)
     if free is not None and needed > free:
         raise ValueError(
             f"{what} for max_seq_len={args.max_seq_len} and max_batch_size={args.max_batch_size} needs "

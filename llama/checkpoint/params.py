@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import blobfile
 
 from llama.model import ModelArgs
+from llama.quantize import INT4_GROUP_SIZES, SCHEMES
 from llama.tokenizer import short_repr
 
 HF_CONFIG = "config.json"
@@ -164,3 +165,21 @@ def checked_int(name: str, value, low: int, high: Optional[int] = None) -> int:
         wanted = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
         raise ValueError(f"{name} must be {wanted}, got {short_repr(value)}")
     return int(value)
+
+
+def saved_quantization(params: dict, path) -> Optional[Tuple[str, Optional[int]]]:
+    """(scheme, group size) of a quantized checkpoint's params.json, None for a floating-point one."""
+    saved = params.get("quantization")
+    if saved is None:
+        return None
+    scheme = saved.get("scheme") if isinstance(saved, dict) else None
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"{path} says the checkpoint is quantized as {saved!r}, a scheme this version of llama does not know "
+            f"(it knows {', '.join(SCHEMES)}); load it with the llama version that wrote it, or quantize the "
+            "original checkpoint again with `python -m llama.convert quantize`"
+        )
+    group_size = saved.get("group_size")
+    if scheme == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"{path}: quantization group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+    return scheme, group_size

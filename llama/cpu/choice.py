@@ -260,9 +260,9 @@ def speed_up_for_cpu(model: nn.Module) -> None:
     weight = model.tok_embeddings.weight
     if not onednn_supported(weight.device) or weight.dtype not in (torch.float32, torch.bfloat16):
         return
+    use_cpu_linear_layers(model)
     copy_bytes = sum(p.numel() * 2 for p in model.parameters())  # a bfloat16 or float16 copy of every weight
     copies = 2 * copy_bytes <= available_memory()
-    use_cpu_linear_layers(model)
     if copies and fbgemm_fp16_supported():
         fuse_fp16_products(model)
     choose_kernels(model, row_counts(model.params.max_batch_size), copies)

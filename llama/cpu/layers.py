@@ -23,7 +23,7 @@ from llama.cpu.kernels import (
     with_versions,
 )
 from llama.distributed import global_rank
-from llama.parallel_layers import ParallelLinear, replace_layers
+from llama.parallel_layers import ParallelLinear, layers_of_kind
 
 
 class CPULinear(ParallelLinear):
@@ -172,7 +172,8 @@ def product_name(layers: List[CPULinear]) -> str:
 
 def use_cpu_linear_layers(model: nn.Module, kernels: Optional[Dict[int, str]] = None) -> None:
     """Replace every fairscale linear layer in `model` with a `CPULinear` on `kernels` (see there), in place."""
-    replace_layers(model, (ColumnParallelLinear, RowParallelLinear), lambda layer: CPULinear(layer, kernels))
+    for parent, name, layer in layers_of_kind(model, (ColumnParallelLinear, RowParallelLinear)):
+        setattr(parent, name, CPULinear(layer, kernels))
 
 
 def make_fp16_copies(model: nn.Module) -> None:
