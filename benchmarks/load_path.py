@@ -76,7 +76,7 @@ def trace_visits(build) -> Visit:
     A call from a function of the package into a function of another of its modules starts a visit, unless the
     caller's last visit was to that module too. A call from outside the package (torch calling a dispatch mode,
     say) counts as made by the function of the package nearest below it on the stack. A method of the caller's own
-    object (`super().__init__()` in a subclass) stays in the caller's visit.
+    object (`super().__init__()` in a subclass) and a property read (`args.kv_heads`) stay in the caller's visit.
     """
     stack: List[Tuple[object, Visit]] = []
     roots: List[Visit] = []
@@ -89,7 +89,7 @@ def trace_visits(build) -> Visit:
             if not stack:
                 visit = Visit(module, frame.f_code.co_name)
                 roots.append(visit)
-            elif stack[-1][1].module == module or same_object(frame, stack[-1][0]):
+            elif stack[-1][1].module == module or same_object(frame, stack[-1][0]) or is_property(frame):
                 visit = stack[-1][1]
             else:
                 caller = stack[-1][1]
@@ -121,6 +121,13 @@ def same_object(frame, caller) -> bool:
     ):
         return False
     return frame.f_locals.get("self") is caller.f_locals.get("self")
+
+
+def is_property(frame) -> bool:
+    """Whether `frame` runs a property's getter: reading a value such as `ModelArgs.kv_heads`."""
+    owner = frame.f_locals.get("self") if frame.f_code.co_argcount == 1 else None
+    attribute = getattr(type(owner), frame.f_code.co_name, None) if owner is not None else None
+    return isinstance(attribute, property) and getattr(attribute.fget, "__code__", None) is frame.f_code
 
 
 def load_path(ckpt_dir: Path, tokenizer_path: str, **build_args) -> Visit:

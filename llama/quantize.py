@@ -259,7 +259,8 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
     """Quantize every linear layer of a `Transformer` and its output head, in place; return the model.
 
     Works on a model built as Meta's code builds it (fairscale's layers, weights loaded) and on `Llama.build`'s.
-    With several model-parallel processes, call it in all of them: each quantizes its own slice.
+    With several model-parallel processes, call it in all of them: each quantizes its own slice. On a GPU, the int8
+    layers' products are then timed (`choose_int8_kernels`).
 
     Args:
         model: The Transformer, with its weights.
@@ -281,6 +282,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
         (ColumnParallelLinear, RowParallelLinear, ParallelLinear),
         lambda layer: layer if is_quantized(layer) else quantize_layer(layer, scheme, group_size),
     )
+    choose_int8_kernels(model)
     return model
 
 

@@ -168,8 +168,8 @@ def load_checkpoint(
     quantize: Optional[str] = None,
 ) -> Tuple[Transformer, Tokenizer]:
     """The load sequence of `Llama.build` (see its docstring for the arguments): check the arguments against the
-    checkpoint, read the tokenizer, join the process group, seed, and read (and quantize, if asked) this rank's
-    weights."""
+    checkpoint, join the process group, seed, read the tokenizer and this rank's weights (quantized, if asked, with
+    the int8 products' kernels chosen)."""
     if tokenizer_path is not None and not isinstance(tokenizer_path, (str, os.PathLike)):
         raise ValueError(
             f"tokenizer_path must be the path of a tokenizer.model file or None, got {short_repr(tokenizer_path)}"
@@ -181,33 +181,27 @@ def load_checkpoint(
     seed = checked_int("seed", seed, -(2**63), 2**64 - 1)  # what torch.manual_seed takes
     if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
         raise ValueError(f"timeout must be a positive datetime.timedelta, got {short_repr(timeout)}")
-    # Each step once, in order: what the checkpoint holds, its tokenizer, where it runs, the weights.
+    # Each step once, in order: what the checkpoint holds, where it runs, its tokenizer, the weights.
     reader = open_checkpoint(ckpt_dir)
-    tokenizer_path = find_tokenizer(ckpt_dir, tokenizer_path)
     model_args, ignored = model_args_from(reader.params, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
     if max_seq_len > model_args.context_len:
         raise ValueError(
             f"max_seq_len={max_seq_len} exceeds this checkpoint's context of {model_args.context_len} tokens"
         )
+    device = resolve_device(device)
+    tokenizer_path = find_tokenizer(ckpt_dir, tokenizer_path)
     saved = saved_quantization(reader.params, reader.ckpt_dir / META_PARAMS)
     if saved:
         check_quantize_matches(quantize, saved[0], ckpt_dir)
         quantize = saved[0]
-
-    start_time = time.time()
-    tokenizer = Tokenizer(tokenizer_path, version=version or ("3.1" if model_args.use_scaled_rope else "3"))
-    if model_args.vocab_size != tokenizer.n_words:
-        raise ValueError(
-            f"The checkpoint's vocab_size ({model_args.vocab_size}) differs from the tokenizer's "
-            f"({tokenizer.n_words} tokens in {tokenizer_path}); use the tokenizer.model that came with it"
-        )
-    device = resolve_device(device)
     if quantize is not None and dtype is None and device.type == "cpu":
         dtype = torch.bfloat16  # what the CPU's weight-only kernels run fastest with
     dtype = resolve_dtype(reader.dtype if dtype is None and reader.format == "hf" else dtype, device)
     if quantize is not None:
         check_scheme(quantize)
         check_device(device, quantize, dtype)
+
+    start_time = time.time()
     model_parallel_size = init_model_parallel(device, model_parallel_size, timeout)
     first_process = global_rank() == 0
     torch.manual_seed(seed)  # the same in all processes: they must sample the same tokens
@@ -219,10 +213,16 @@ def load_checkpoint(
             ", ".join(BUILD_FIELDS),
         )
     check_kv_cache_fits(model_args, model_parallel_size, device, dtype)
+    tokenizer = Tokenizer(tokenizer_path, version=version or ("3.1" if model_args.use_scaled_rope else "3"))
+    if model_args.vocab_size != tokenizer.n_words:
+        raise ValueError(
+            f"The checkpoint's vocab_size ({model_args.vocab_size}) differs from the tokenizer's "
+            f"({tokenizer.n_words} tokens in {tokenizer_path}); use the tokenizer.model that came with it"
+        )
     mp_rank = fs_init.get_model_parallel_rank()
     model = load_model(reader, model_args, mp_rank, model_parallel_size, device, dtype, quantize)
-    if quantize == "int8":
-        choose_int8_kernels(model)  # on a GPU, the faster of its two int8 products for each shape (timed)
+    if quantize is not None:
+        choose_int8_kernels(model)  # on a GPU, the faster int8 product for each shape (int4 may keep int8 layers)
     if first_process:  # the reference prints this line; other processes load the same way, silently
         print(f"Loaded in {time.time() - start_time:.2f} seconds")
     return model, tokenizer
@@ -239,13 +239,13 @@ def check_quantize_matches(quantize: Optional[str], saved_scheme: str, ckpt_dir)
 def check_kv_cache_fits(args: ModelArgs, mp_size: int, device: torch.device, dtype: torch.dtype) -> None:
     """Raise a ValueError, before anything is allocated, when this process's KV cache cannot fit on `device`. On
     CUDA the activations of a decode step at the whole batch count too: a recorded CUDA graph keeps them."""
-    free = free_memory(device)
     elements = 2 * args.n_layers * args.max_batch_size * args.max_seq_len * (args.kv_heads // mp_size) * args.head_dim
     needed = elements * torch.empty(0, dtype=dtype).element_size()
     what = "The KV cache"
     if device.type == "cuda":
         needed += decode_step_bytes(args, mp_size, dtype)
         what = "The KV cache and a decode step's activations"
+    free = free_memory(device)
     if free is not None and needed > free:
         raise ValueError(
             f"{what} for max_seq_len={args.max_seq_len} and max_batch_size={args.max_batch_size} needs "
