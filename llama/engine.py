@@ -2,11 +2,13 @@
 of the model's KV cache at a position of its own.
 
 Every `Engine.step` frees the rows of finished and cancelled requests, gives free rows to waiting requests, runs
-one decode step over the rows in use (`Transformer.decode_step` with a position per row), then runs one chunk of
-a new request's prompt through the model in that request's row alone. A long prompt is so spread over several
-steps, and the requests already running go on meanwhile. Each request samples with its own temperature, top_p and
-`torch.Generator`, as `Llama.generate` samples a batch of one: greedy requests get the tokens they would get alone
-(up to the rounding of a batched product), and a seeded request its own draws whatever else runs beside it.
+one decode step over the rows in use (`Transformer.decode_step` with a position per row), then runs new requests'
+prompts, oldest first, each through the model in its own row alone, up to `prefill_chunk` tokens in all. A long
+prompt is so spread over several steps, and the requests already running go on meanwhile.
+
+Each request samples with its own temperature, top_p and `torch.Generator`, as `Llama.generate` samples a batch of
+one: greedy requests get the tokens they would get alone (up to the rounding of a batched product), and a seeded
+request its own draws whatever else runs beside it.
 
 Under torchrun every process holds a share of the model and must run each step with the others: the process of
 rank 0 plans the step, sends the `Plan` to the others (`PlanChannel`), and all of them run it (`run_plan`); only
@@ -88,9 +90,7 @@ class Plan:
 
     decode_tokens: List[int] = field(default_factory=list)  # one per row 0..n-1 (empty: no decode step)
     decode_positions: List[int] = field(default_factory=list)
-    prefill_row: int = -1  # -1: no prompt chunk
-    prefill_start: int = 0
-    prefill_tokens: List[int] = field(default_factory=list)
+    prefills: List[Tuple[int, int, List[int]]] = field(default_factory=list)  # (row, start position, prompt chunk)
     stop: bool = False  # the server is shutting down: followers return
 
 
@@ -123,20 +123,20 @@ def caches_of_row(model: Transformer, row: int) -> Iterator[None]:
 
 
 @torch.inference_mode()
-def run_plan(model: Transformer, decode_step: DecodeStep, plan: Plan) -> Tuple[Optional[torch.Tensor], ...]:
-    """Run one step: the decode rows, then the prompt chunk. Returns the decode logits (n, vocab_size) and the
-    chunk's last logits (vocab_size,), each None when the plan has none."""
+def run_plan(model: Transformer, decode_step: DecodeStep, plan: Plan) -> Tuple[Optional[torch.Tensor], list]:
+    """Run one step: the decode rows, then the prompt chunks. Returns the decode logits (n, vocab_size), None when
+    the plan has no decode step, and each chunk's last logits (vocab_size,)."""
     device = model.tok_embeddings.weight.device
-    decode_logits = prefill_logits = None
+    decode_logits, prefill_logits = None, []
     if plan.decode_tokens:
         tokens = torch.tensor(plan.decode_tokens, dtype=torch.long, device=device)[:, None]  # (n, 1)
         positions = torch.tensor(plan.decode_positions, dtype=torch.long, device=device)  # (n,)
         decode_logits = decode_step(tokens, positions)[:, -1]
-    if plan.prefill_tokens:
+    for row, start, chunk in plan.prefills:
         # After the decode step, whose write at this row's position (an input nobody reads) this chunk overwrites.
-        tokens = torch.tensor([plan.prefill_tokens], dtype=torch.long, device=device)  # (1, chunk)
-        with caches_of_row(model, plan.prefill_row):
-            prefill_logits = model.forward(tokens, plan.prefill_start, last_logits_only=True)[0, -1]
+        tokens = torch.tensor([chunk], dtype=torch.long, device=device)  # (1, len(chunk))
+        with caches_of_row(model, row):
+            prefill_logits.append(model.forward(tokens, start, last_logits_only=True)[0, -1])
     return decode_logits, prefill_logits
 
 
@@ -169,7 +169,7 @@ class Engine:
         tokenizer: For the stop tokens.
         decode_step: The one-token step to run (compiled, CUDA graphs); None: `model.decode_step`.
         max_queue: Requests that may wait for a row; `submit` raises QueueFull beyond them.
-        prefill_chunk: Most prompt tokens run in one step; a longer prompt takes several steps.
+        prefill_chunk: Most prompt tokens run in one step (all rows together); a longer prompt takes several.
         fixed_batch: Decode every row at every step, so the step's shapes never change (for torch.compile);
             otherwise the rows up to the last one in use.
         channel: Under torchrun, where the plans go to the other processes.
@@ -270,11 +270,11 @@ class Engine:
         for i, row in enumerate(self.rows[: len(plan.decode_tokens)]):
             if row is not None and row.next_token is not None:
                 self.sample(i, row, decode_logits[i])
-        if plan.prefill_tokens:
-            row = self.rows[plan.prefill_row]
-            row.prefilled += len(plan.prefill_tokens)
+        for (i, _, chunk), logits in zip(plan.prefills, prefill_logits):
+            row = self.rows[i]
+            row.prefilled += len(chunk)
             if row.prefilled == len(row.request.prompt):
-                self.sample(plan.prefill_row, row, prefill_logits)
+                self.sample(i, row, logits)
 
     def release_cancelled(self) -> None:
         self.waiting = collections.deque(r for r in self.waiting if not r.cancelled)
@@ -294,7 +294,8 @@ class Engine:
                 self.rows[i] = Row(request, generator, admitted=next(self.arrivals))
 
     def plan(self) -> Plan:
-        """Decode every row that has a sampled token; prefill the next chunk of the oldest unfinished prompt."""
+        """Decode every row that has a sampled token; prefill the oldest unfinished prompts, prefill_chunk tokens in
+        all."""
         plan = Plan()
         decoding = [i for i, row in enumerate(self.rows) if row is not None and row.next_token is not None]
         if decoding:
@@ -304,14 +305,15 @@ class Engine:
                 # there what its own prompt or token overwrites before the row ever attends to it.
                 plan.decode_tokens.append(row.next_token if row is not None and row.next_token is not None else 0)
                 plan.decode_positions.append(row.position if row is not None else 0)
-        prefilling = [
-            (row.admitted, i) for i, row in enumerate(self.rows) if row is not None and row.next_token is None
-        ]
-        if prefilling:
-            _, i = min(prefilling)
+        prefilling = sorted((row.admitted, i) for i, row in enumerate(self.rows) if row and row.next_token is None)
+        budget = self.prefill_chunk
+        for _, i in prefilling:
+            if budget == 0:
+                break
             row = self.rows[i]
-            plan.prefill_row, plan.prefill_start = i, row.prefilled
-            plan.prefill_tokens = row.request.prompt[row.prefilled : row.prefilled + self.prefill_chunk]
+            chunk = row.request.prompt[row.prefilled : row.prefilled + budget]
+            plan.prefills.append((i, row.prefilled, chunk))
+            budget -= len(chunk)
         return plan
 
     def sample(self, i: int, row: Row, logits: torch.Tensor) -> None:

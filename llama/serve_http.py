@@ -78,11 +78,14 @@ class Service:
         try:
             while True:
                 try:
-                    output = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        return
-                    continue
+                    output = queue.get_nowait()  # no task for wait_for to make while outputs are there
+                except asyncio.QueueEmpty:
+                    try:
+                        output = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                    except asyncio.TimeoutError:
+                        if await http.is_disconnected():
+                            return
+                        continue
                 yield output
                 if output.finish is not None:
                     return

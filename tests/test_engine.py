@@ -3,6 +3,7 @@ prefilled into one row, and requests that join a running batch."""
 
 import threading
 
+import pytest
 import torch
 from helpers import ATOL, GQA_PARAMS, load_tiny
 
@@ -62,6 +63,7 @@ def run_requests(engine, prompts, max_tokens, start_after=None):
     return [[o.token for o in out if o.token is not None] for out in outputs], [out[-1].finish for out in outputs]
 
 
+@pytest.mark.slow
 def test_requests_joining_a_running_batch_get_their_solo_greedy_tokens(tiny_llama):
     """Five requests over four rows, each started after another has begun; prompts of 1 to 3 prefill chunks."""
     tokenizer = tiny_llama.tokenizer

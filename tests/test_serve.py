@@ -151,6 +151,7 @@ def test_streamed_chat_joins_to_the_whole_answer(client):
     assert chunks[-1].usage.completion_tokens == 30 and not chunks[-1].choices
 
 
+@pytest.mark.slow
 def test_seeded_sampling_draws_what_a_seeded_build_draws(client, reference):
     prompt_text = QUESTIONS[2]
     expected = solo_tokens(reference, reference.tokenizer.encode(prompt_text, bos=True, eos=False), 25, 0.9, seed=7)
@@ -350,6 +351,7 @@ def test_a_signal_drains_the_requests_in_flight_and_exits(checkpoint, reference,
     assert answers[0].status_code == 200 and answers[0].json()["usage"]["completion_tokens"] == 200
 
 
+@pytest.mark.slow
 def test_without_fastapi_it_says_what_to_install():
     code = "import sys; sys.modules['fastapi'] = None; from llama.serve import main; main(['--ckpt_dir', 'x'])"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
