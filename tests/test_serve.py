@@ -42,11 +42,11 @@ def free_port() -> int:
 class Server:
     """A `python -m llama.serve` process on loopback, its output in a file."""
 
-    def __init__(self, ckpt: Path, log: Path, *flags: str):
+    def __init__(self, ckpt: Path, log: Path, *flags: str, launcher=(sys.executable, "-m")):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        command = [sys.executable, "-m", "llama.serve", "--ckpt_dir", str(ckpt), "--port", str(self.port), *flags]
+        command = [*launcher, "llama.serve", "--ckpt_dir", str(ckpt), "--port", str(self.port), *flags]
         root = Path(__file__).resolve().parents[1]
         env = dict(os.environ, PYTHONPATH=str(root))
         with open(log, "w") as out:
@@ -349,6 +349,40 @@ def test_a_signal_drains_the_requests_in_flight_and_exits(checkpoint, reference,
         running.stop()
     thread.join()
     assert answers[0].status_code == 200 and answers[0].json()["usage"]["completion_tokens"] == 200
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_under_torchrun_two_processes_serve_one_process_s_tokens(checkpoint, client, reference, tmp_path):
+    """A 2-shard copy of the checkpoint under `torchrun --nproc_per_node 2`: rank 0 serves and plans, both run
+    the model; concurrent requests get the greedy tokens of the one-process server."""
+    sharded = make_checkpoint(tmp_path / MODEL, dict(TINY_PARAMS, use_scaled_rope=True), n_shards=2)
+    shutil.copy(checkpoint / "tokenizer.model", sharded / "tokenizer.model")
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m")
+    running = Server(sharded, tmp_path / "server.log", "--max_seq_len", "256", "--api_key", KEY, launcher=launcher)
+    questions = QUESTIONS[:3]
+    answers = {}
+
+    def ask(two_processes, question):
+        messages = [{"role": "user", "content": question}]
+        answer = two_processes.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+        answers[question] = answer.choices[0].message.content
+
+    try:
+        two_processes = openai.OpenAI(base_url=running.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        threads = [threading.Thread(target=ask, args=(two_processes, q)) for q in questions]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        running.process.send_signal(signal.SIGTERM)
+        running.process.wait(timeout=60)
+    finally:
+        running.stop()
+    for question in questions:
+        messages = [{"role": "user", "content": question}]
+        one_process = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+        assert answers[question] == one_process.choices[0].message.content
 
 
 @pytest.mark.slow
