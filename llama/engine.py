@@ -286,7 +286,7 @@ class Engine:
         for i in range(len(self.rows)):
             if self.rows[i] is None and self.waiting:
                 request = self.waiting.popleft()
-                generator = torch.Generator()  # on the CPU, where sampling's draws are made
+                generator = torch.Generator(self.model.tok_embeddings.weight.device)  # where the logits are drawn
                 if request.seed is None:
                     generator.seed()
                 else:
