@@ -15,6 +15,11 @@ from llama.tools import tool_messages
 # The sampling defaults of Llama.chat_completion and Llama.text_completion, not OpenAI's (1.0 and 1.0).
 DEFAULT_TEMPERATURE = 0.6
 DEFAULT_TOP_P = 0.9
+MAX_STOP_CHARS = 256  # the text held back while it could begin a stop string is shorter than this
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
 
 
 class APIError(Exception):
@@ -23,8 +28,7 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                     429: "rate_limit_error"}.get(status, "server_error")  # fmt: skip
+        self.type = ERROR_TYPES.get(status, "server_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -90,8 +94,8 @@ class Sampling(Strict):
 
     def stop_strings(self) -> List[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise APIError(400, "stop takes at most 4 strings, none of them empty", param="stop")
+        if len(stops) > 4 or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise APIError(400, f"stop takes at most 4 strings of 1 to {MAX_STOP_CHARS} characters", param="stop")
         return stops
 
 
@@ -195,38 +199,34 @@ def tool_calls_out(text: str, stop_reason: str, formatter: ChatFormat) -> Option
 class AnswerText:
     """An answer's text as its tokens arrive: whole UTF-8 characters only, cut at the first stop string.
 
-    Text that could be the start of a stop string is held back until the next token settles it. Each token's
-    text is searched once, from where a stop string could have begun: linear in the answer's length.
+    Text that could be the start of a stop string (the last len(longest stop) - 1 characters) is held back until
+    the next token settles it. A stop string that ends in a token's text begins in that text or in the held-back
+    part, so each token's search covers only those two: linear in the answer's length.
     """
 
     def __init__(self, tokenizer: Tokenizer, stops: List[str]):
         self.tokenizer, self.stops = tokenizer, stops
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.longest = max((len(s) for s in stops), default=0)
-        self.text, self.sent, self.searched = "", 0, 0
+        self.keep = max((len(s) for s in stops), default=1) - 1
+        self.held = ""
         self.stopped = False
 
     def add(self, token: int) -> str:
         """Take a token; return the text now safe to send."""
-        self.text += self.decoder.decode(self.tokenizer.decode_bytes([token]))
-        start = max(0, self.searched - self.longest + 1)
-        found = [at for at in (self.text.find(s, start) for s in self.stops) if at >= 0]
-        if found:
-            self.text, self.stopped = self.text[: min(found)], True
-            return self.flush()
-        self.searched = len(self.text)
-        return self.release(len(self.text) - self.longest + 1 if self.stops else len(self.text))
+        return self.settle(self.held + self.decoder.decode(self.tokenizer.decode_bytes([token])), final=False)
 
     def flush(self) -> str:
         """The rest of the text, at the end."""
-        if not self.stopped:
-            self.text += self.decoder.decode(b"", final=True)
-        return self.release(len(self.text))
+        return "" if self.stopped else self.settle(self.held + self.decoder.decode(b"", final=True), final=True)
 
-    def release(self, upto: int) -> str:
-        upto = max(upto, self.sent)
-        piece, self.sent = self.text[self.sent : upto], upto
-        return piece
+    def settle(self, text: str, final: bool) -> str:
+        found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
+        if found:
+            self.held, self.stopped = "", True
+            return text[: min(found)]
+        cut = len(text) if final else max(0, len(text) - self.keep)
+        self.held = text[cut:]
+        return text[:cut]
 
 
 def finish_reason(finish: str) -> str:

@@ -14,6 +14,7 @@ from typing import AsyncIterator, List, Optional, Tuple, Type, TypeVar
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from llama import engine as batching
 from llama.engine import Engine, Output, QueueFull
@@ -31,8 +32,10 @@ from llama.openai_api import (
 )
 from llama.tokenizer import ChatFormat, Tokenizer
 
-# How often a request that is not streamed checks that its client is still there.
-DISCONNECT_POLL_S = 0.5
+# How often a request checks that its client is still there.
+DISCONNECT_POLL_S = 0.2
+# Larger bodies are refused before they are read whole (a prompt of max_seq_len tokens is far smaller).
+MAX_BODY_BYTES = 16 * 2**20
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -76,15 +79,18 @@ class Service:
 
     async def outputs(self, http: Request, request: batching.Request, queue: asyncio.Queue) -> AsyncIterator[Output]:
         try:
+            checked = time.monotonic()
             while True:
+                if time.monotonic() - checked > DISCONNECT_POLL_S:
+                    if await http.is_disconnected():
+                        return
+                    checked = time.monotonic()
                 try:
                     output = queue.get_nowait()  # no task for wait_for to make while outputs are there
                 except asyncio.QueueEmpty:
                     try:
                         output = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
                     except asyncio.TimeoutError:
-                        if await http.is_disconnected():
-                            return
                         continue
                 yield output
                 if output.finish is not None:
@@ -100,8 +106,13 @@ def error_response(error: APIError) -> JSONResponse:
 async def parse(http: Request, model: Type[M]) -> M:
     """The request's JSON body, whatever its Content-Type, checked against `model`; an APIError (400) names the
     first problem and the field it concerns."""
+    body = bytearray()
+    async for piece in http.stream():
+        body += piece
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"The request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
     try:
-        return model.model_validate(json.loads(await http.body()))
+        return model.model_validate(json.loads(body))
     except json.JSONDecodeError as e:
         raise APIError(400, f"The request body is not valid JSON: {e}") from None
     except ValidationError as e:
@@ -148,8 +159,8 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
     async def chat_completions(http: Request):
         body = await parse(http, ChatRequest)
         check_model(body)
-        try:
-            prompt = service.formatter.encode_dialog_prompt(dialog_of(body, service.formatter))
+        try:  # in a worker thread: a long prompt must not stall the other requests' streams
+            prompt = await run_in_threadpool(service.formatter.encode_dialog_prompt, dialog_of(body, service.formatter))
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         max_tokens = service.prompt_room(prompt, body.max_completion_tokens or body.max_tokens, "messages")
@@ -167,7 +178,7 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if len(prompts) != 1 or not prompts[0]:
             raise APIError(400, "Send one non-empty prompt per request", "prompt")
-        prompt = service.tokenizer.encode(prompts[0], bos=True, eos=False)
+        prompt = await run_in_threadpool(service.tokenizer.encode, prompts[0], bos=True, eos=False)
         max_tokens = service.prompt_room(prompt, body.max_tokens, "prompt")
         outputs = service.submit(http, prompt, max_tokens, body, body.logprobs)
         completion = CompletionAnswer(service, body, prompts[0], len(prompt))

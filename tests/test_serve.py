@@ -21,7 +21,7 @@ httpx = import_or_skip("httpx", "pip install -e '.[test]'")
 openai = import_or_skip("openai", "pip install -e '.[test]'")
 import_or_skip("fastapi", "pip install -e '.[serve]'")
 
-from llama.openai_api import tool_calls_out  # noqa: E402 (needs pydantic, which fastapi brings)
+from llama.openai_api import AnswerText, tool_calls_out  # noqa: E402 (needs pydantic, which fastapi brings)
 from llama.tokenizer import ChatFormat  # noqa: E402
 from llama.tools import tool_messages  # noqa: E402
 
@@ -254,6 +254,24 @@ def test_an_answer_that_calls_a_tool_reads_as_openai_tool_calls(reference):
     assert tool_calls_out("It is sunny.", "end_of_turn", formatter) is None
 
 
+def test_stop_strings_are_found_across_tokens_and_never_sent(reference):
+    """A stop string split over tokens still cuts the answer, and no part of it is sent before it is known."""
+    tokenizer = reference.tokenizer
+    tokens = [t for text in ["Hello", " wor", "ld", "!", " more"] for t in tokenizer.encode(text, bos=False, eos=False)]
+    answer = AnswerText(tokenizer, ["world!"])
+    sent = "".join(answer.add(token) for token in tokens[: len(tokens) - 1])
+    assert answer.stopped and sent == "Hello "
+    plain = AnswerText(tokenizer, ["xyz"])
+    assert "".join(plain.add(t) for t in tokens) + plain.flush() == "Hello world! more"
+
+
+def test_multi_byte_characters_are_sent_whole(reference):
+    tokens = reference.tokenizer.encode("naïve 日本語 🎉", bos=False, eos=False)
+    answer = AnswerText(reference.tokenizer, [])
+    pieces = [answer.add(t) for t in tokens] + [answer.flush()]
+    assert "".join(pieces) == "naïve 日本語 🎉" and "\ufffd" not in "".join(pieces)
+
+
 GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
 BAD = {
     "malformed JSON": ('{"model": "tiny", "messages": [', None),
@@ -270,6 +288,7 @@ BAD = {
     "negative temperature": ({**GOOD, "temperature": -1}, "temperature"),
     "top_p over 1": ({**GOOD, "top_p": 1.5}, "top_p"),
     "several choices": ({**GOOD, "n": 2}, "n"),
+    "empty stop string": ({**GOOD, "stop": [""]}, "stop"),
     "content of a wrong type": ({**GOOD, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
 }
 
@@ -283,6 +302,11 @@ def test_bad_input_is_a_400_with_an_openai_error_and_the_server_goes_on(server, 
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["message"] and (param is None or error["param"].startswith(param))
     assert post(server, "/v1/chat/completions", GOOD).status_code == 200
+
+
+def test_a_body_over_the_limit_is_refused(server):
+    response = post(server, "/v1/completions", b'{"model": "tiny", "prompt": "' + b"x" * (17 * 2**20) + b'"}')
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
 
 
 def test_unknown_model_is_a_404(server):
@@ -327,6 +351,17 @@ def test_a_full_queue_is_a_429_and_clients_that_leave_free_their_rows(server):
     assert server.health()["sampled_tokens"] == sampled  # nothing runs on for the clients gone
     assert sampled - before < ROWS * long["max_tokens"]  # and their answers were cut short
     assert post(server, "/v1/chat/completions", GOOD).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_row(server):
+    before = server.health()["sampled_tokens"]
+    body = {**GOOD, "max_tokens": MAX_SEQ_LEN - 20, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=httpx.Timeout(30, read=0.3))  # fmt: skip
+    wait_for(lambda: server.health()["free_rows"] == ROWS, "free rows")
+    assert server.health()["sampled_tokens"] - before < body["max_tokens"]  # stopped before the end
 
 
 @pytest.mark.slow
