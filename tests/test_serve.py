@@ -21,8 +21,6 @@ httpx = import_or_skip("httpx", "pip install -e '.[test]'")
 openai = import_or_skip("openai", "pip install -e '.[test]'")
 import_or_skip("fastapi", "pip install -e '.[serve]'")
 
-from llama.openai_api import AnswerText, tool_calls_out  # noqa: E402 (needs pydantic, which fastapi brings)
-from llama.tokenizer import ChatFormat  # noqa: E402
 from llama.tools import tool_messages  # noqa: E402
 
 MODEL = "tiny"
@@ -241,35 +239,6 @@ def test_a_dialog_with_tool_calls_and_results_is_written_as_llama_writes_it(clie
                           "tool_calls": [{"tool_name": "get_weather", "arguments": {"city": "Paris"}}]},
             {"role": "tool", "content": "Sunny, 21 C"}]  # fmt: skip
     assert answer.usage.prompt_tokens == len(chat_prompt(reference, ours))
-
-
-def test_an_answer_that_calls_a_tool_reads_as_openai_tool_calls(reference):
-    """The reading the server applies to an answer when tools were offered (a random model writes no calls)."""
-    formatter = ChatFormat(reference.tokenizer)
-    text = '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}'
-    (call,) = tool_calls_out(text, "end_of_turn", formatter)
-    assert call["type"] == "function" and call["id"]
-    assert call["function"]["name"] == "get_weather"
-    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-    assert tool_calls_out("It is sunny.", "end_of_turn", formatter) is None
-
-
-def test_stop_strings_are_found_across_tokens_and_never_sent(reference):
-    """A stop string split over tokens still cuts the answer, and no part of it is sent before it is known."""
-    tokenizer = reference.tokenizer
-    tokens = [t for text in ["Hello", " wor", "ld", "!", " more"] for t in tokenizer.encode(text, bos=False, eos=False)]
-    answer = AnswerText(tokenizer, ["world!"])
-    sent = "".join(answer.add(token) for token in tokens[: len(tokens) - 1])
-    assert answer.stopped and sent == "Hello "
-    plain = AnswerText(tokenizer, ["xyz"])
-    assert "".join(plain.add(t) for t in tokens) + plain.flush() == "Hello world! more"
-
-
-def test_multi_byte_characters_are_sent_whole(reference):
-    tokens = reference.tokenizer.encode("naïve 日本語 🎉", bos=False, eos=False)
-    answer = AnswerText(reference.tokenizer, [])
-    pieces = [answer.add(t) for t in tokens] + [answer.flush()]
-    assert "".join(pieces) == "naïve 日本語 🎉" and "\ufffd" not in "".join(pieces)
 
 
 GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
