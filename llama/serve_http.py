@@ -142,7 +142,7 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
             raise APIError(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")  # fmt: skip
 
-    app = FastAPI(title="llama", lifespan=lifespan, dependencies=[])
+    app = FastAPI(title="llama", lifespan=lifespan)
     guarded = [Depends(check_key)]
     app.add_exception_handler(APIError, lambda _, exc: error_response(exc))
 
@@ -165,8 +165,8 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
             raise APIError(400, str(e), "messages") from None
         max_tokens = service.prompt_room(prompt, body.max_completion_tokens or body.max_tokens, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
+        chat = ChatAnswer(service, body, len(prompt))  # before the engine gets it: this checks `stop` too
         outputs = service.submit(http, prompt, max_tokens, body, top)
-        chat = ChatAnswer(service, body, len(prompt))
         if body.stream:
             return event_stream(chat.stream(outputs))
         return await chat.whole(outputs)
@@ -180,8 +180,8 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
             raise APIError(400, "Send one non-empty prompt per request", "prompt")
         prompt = await run_in_threadpool(service.tokenizer.encode, prompts[0], bos=True, eos=False)
         max_tokens = service.prompt_room(prompt, body.max_tokens, "prompt")
-        outputs = service.submit(http, prompt, max_tokens, body, body.logprobs)
         completion = CompletionAnswer(service, body, prompts[0], len(prompt))
+        outputs = service.submit(http, prompt, max_tokens, body, body.logprobs)
         if body.stream:
             return event_stream(completion.stream(outputs))
         return await completion.whole(outputs)
@@ -217,22 +217,25 @@ class Answer:
         self.prompt_tokens, self.sampled = prompt_tokens, 0
 
     async def pieces(self, outputs: AsyncIterator[Output]) -> AsyncIterator[Tuple[str, List[Output], Optional[str]]]:
-        """(new text, the outputs it came from, finish_reason or None) per token, the finish last."""
-        async for output in outputs:
-            if output.finish in ("error", "cancelled"):
-                raise APIError(500 if output.finish == "error" else 503, "The request was stopped by a fault or a "
-                               "shutdown of the server")  # fmt: skip
-            if output.finish is not None:
-                self.sampled += output.finish in ("end_of_turn", "end_of_message")  # the stop token
-                yield self.text.flush(), [], finish_reason(output.finish)
-                return
-            self.sampled += 1
-            piece = self.text.add(output.token)
-            if self.text.stopped:
+        """(new text, the outputs it came from, finish_reason or None) per token, the finish last. Leaving, for a
+        stop string or any other reason, closes `outputs`, which cancels the request."""
+        try:
+            async for output in outputs:
+                if output.finish in ("error", "cancelled"):
+                    raise APIError(500 if output.finish == "error" else 503, "The request was stopped by a fault "
+                                   "or a shutdown of the server")  # fmt: skip
+                if output.finish is not None:
+                    self.sampled += output.finish in ("end_of_turn", "end_of_message")  # the stop token
+                    yield self.text.flush(), [], finish_reason(output.finish)
+                    return
+                self.sampled += 1
+                piece = self.text.add(output.token)
                 yield piece, [output], None
-                yield "", [], "stop"
-                return
-            yield piece, [output], None
+                if self.text.stopped:
+                    yield "", [], "stop"
+                    return
+        finally:
+            await outputs.aclose()
 
     def usage(self) -> dict:
         total = self.prompt_tokens + self.sampled
