@@ -90,6 +90,7 @@ class Plan:
 
     decode_tokens: List[int] = field(default_factory=list)  # one per row 0..n-1 (empty: no decode step)
     decode_positions: List[int] = field(default_factory=list)
+    decode_rows: List[int] = field(default_factory=list)  # those of rows 0..n-1 whose logits are wanted
     prefills: List[Tuple[int, int, List[int]]] = field(default_factory=list)  # (row, start position, prompt chunk)
     stop: bool = False  # the server is shutting down: followers return
 
@@ -123,15 +124,26 @@ def caches_of_row(model: Transformer, row: int) -> Iterator[None]:
 
 
 @torch.inference_mode()
-def run_plan(model: Transformer, decode_step: DecodeStep, plan: Plan) -> Tuple[Optional[torch.Tensor], list]:
-    """Run one step: the decode rows, then the prompt chunks. Returns the decode logits (n, vocab_size), None when
-    the plan has no decode step, and each chunk's last logits (vocab_size,)."""
+def run_plan(
+    model: Transformer, decode_step: Optional[DecodeStep], plan: Plan
+) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
+    """Run one step: the decode rows (through `decode_step`; None: eagerly), then the prompt chunks. Returns the
+    logits of plan.decode_rows (len(decode_rows), vocab_size), None when the plan has no decode step, and each
+    chunk's last logits (vocab_size,)."""
     device = model.tok_embeddings.weight.device
     decode_logits, prefill_logits = None, []
-    if plan.decode_tokens:
+    if len(plan.decode_rows) == 1 and decode_step is None:
+        # One request decoding alone, eagerly: the step Llama.generate takes (`forward` from an int position), so
+        # that its tokens are generate's in every dtype. The batched step rounds otherwise in bfloat16.
+        (row,) = plan.decode_rows
+        token = torch.tensor([[plan.decode_tokens[row]]], dtype=torch.long, device=device)  # (1, 1)
+        with caches_of_row(model, row):
+            decode_logits = model.forward(token, plan.decode_positions[row], last_logits_only=True)[:, -1]
+    elif plan.decode_rows:
         tokens = torch.tensor(plan.decode_tokens, dtype=torch.long, device=device)[:, None]  # (n, 1)
         positions = torch.tensor(plan.decode_positions, dtype=torch.long, device=device)  # (n,)
-        decode_logits = decode_step(tokens, positions)[:, -1]
+        logits = (decode_step or model.decode_step)(tokens, positions)[:, -1]
+        decode_logits = logits[plan.decode_rows]
     for row, start, chunk in plan.prefills:
         # After the decode step, whose write at this row's position (an input nobody reads) this chunk overwrites.
         tokens = torch.tensor([chunk], dtype=torch.long, device=device)  # (1, len(chunk))
@@ -155,7 +167,7 @@ class PlanChannel:
         return box[0]
 
 
-def follow_plans(model: Transformer, decode_step: DecodeStep, channel: PlanChannel) -> None:
+def follow_plans(model: Transformer, decode_step: Optional[DecodeStep], channel: PlanChannel) -> None:
     """Run rank 0's plans in this process until it sends the stop."""
     while not (plan := channel.receive()).stop:
         run_plan(model, decode_step, plan)
@@ -167,7 +179,8 @@ class Engine:
     Args:
         model: The model; its max_batch_size and max_seq_len bound the rows and each request's tokens.
         tokenizer: For the stop tokens.
-        decode_step: The one-token step to run (compiled, CUDA graphs); None: `model.decode_step`.
+        decode_step: The one-token step to run (compiled, CUDA graphs); None: eagerly, `model.decode_step` (one
+            request alone: `model.forward`, as `Llama.generate` steps).
         max_queue: Requests that may wait for a row; `submit` raises QueueFull beyond them.
         prefill_chunk: Most prompt tokens run in one step (all rows together); a longer prompt takes several.
         fixed_batch: Decode every row at every step, so the step's shapes never change (for torch.compile);
@@ -186,7 +199,7 @@ class Engine:
         channel: Optional[PlanChannel] = None,
     ):
         self.model, self.tokenizer = model, tokenizer
-        self.decode_step = decode_step or model.decode_step
+        self.decode_step = decode_step
         self.max_queue, self.prefill_chunk, self.fixed_batch = max_queue, prefill_chunk, fixed_batch
         self.channel = channel
         self.rows: List[Optional[Row]] = [None] * model.params.max_batch_size
@@ -267,9 +280,8 @@ class Engine:
         if self.channel is not None:
             self.channel.send(plan)
         decode_logits, prefill_logits = run_plan(self.model, self.decode_step, plan)
-        for i, row in enumerate(self.rows[: len(plan.decode_tokens)]):
-            if row is not None and row.next_token is not None:
-                self.sample(i, row, decode_logits[i])
+        for k, i in enumerate(plan.decode_rows):
+            self.sample(i, self.rows[i], decode_logits[k])
         for (i, _, chunk), logits in zip(plan.prefills, prefill_logits):
             row = self.rows[i]
             row.prefilled += len(chunk)
@@ -300,6 +312,7 @@ class Engine:
         decoding = [i for i, row in enumerate(self.rows) if row is not None and row.next_token is not None]
         if decoding:
             n = len(self.rows) if self.fixed_batch else decoding[-1] + 1
+            plan.decode_rows = decoding
             for row in self.rows[:n]:
                 # A row with nothing to decode gets token 0 at its next free position (0 when free): it writes
                 # there what its own prompt or token overwrites before the row ever attends to it.

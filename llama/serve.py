@@ -83,7 +83,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     channel = PlanChannel() if dist.is_initialized() and dist.get_world_size() > 1 else None
     decode_step = generator.decoder.decode_step  # compiled, or CUDA graphs; None: the eager step
     if channel is not None and dist.get_rank() > 0:
-        follow_plans(generator.model, decode_step or generator.model.decode_step, channel)
+        follow_plans(generator.model, decode_step, channel)
         return
     engine = Engine(
         generator.model, generator.tokenizer, decode_step, args.max_queue, args.prefill_chunk,

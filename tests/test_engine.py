@@ -94,3 +94,23 @@ def test_a_cancelled_request_frees_its_row_at_the_next_step(tiny_llama):
     assert engine.load()["running"] == 1
     engine.step()
     assert engine.load()["running"] == 0 and len(got) == 2  # freed; nothing more sent
+
+
+@pytest.mark.slow
+def test_a_request_alone_gets_generate_s_tokens_in_bfloat16(tiny_checkpoint, tokenizer_path, process_group):
+    """Alone, a request steps as `Llama.generate` does, so even in bfloat16 (where a batched step rounds
+    otherwise) its greedy and seeded tokens are generate's."""
+    from llama import Llama
+
+    generator = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=64, max_batch_size=4, device="cpu",
+                            dtype="bfloat16")  # fmt: skip
+    engine = Engine(generator.model, generator.tokenizer)
+    for text, temperature in [("Hello there", 0.0), ("The quick brown fox", 0.0), ("Why?", 0.8)]:
+        prompt = generator.tokenizer.encode(text, bos=True, eos=False)
+        torch.manual_seed(11)
+        expected = generator.generate([prompt], 30, temperature=temperature, top_p=0.9)[0][0]
+        got = []
+        engine.submit(Request(prompt, 30, temperature, 0.9, emit=got.append, seed=11))
+        while engine.load()["running"] or engine.load()["waiting"]:
+            engine.step()
+        assert [o.token for o in got if o.token is not None] == expected
