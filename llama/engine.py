@@ -22,7 +22,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -126,24 +126,23 @@ def caches_of_row(model: Transformer, row: int) -> Iterator[None]:
 @torch.inference_mode()
 def run_plan(
     model: Transformer, decode_step: Optional[DecodeStep], plan: Plan
-) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
+) -> Tuple[Dict[int, torch.Tensor], List[torch.Tensor]]:
     """Run one step: the decode rows (through `decode_step`; None: eagerly), then the prompt chunks. Returns the
-    logits of plan.decode_rows (len(decode_rows), vocab_size), None when the plan has no decode step, and each
-    chunk's last logits (vocab_size,)."""
+    next-token logits (vocab_size,) of each of plan.decode_rows, by row, and the last logits of each chunk."""
     device = model.tok_embeddings.weight.device
-    decode_logits, prefill_logits = None, []
+    decode_logits, prefill_logits = {}, []
     if len(plan.decode_rows) == 1 and decode_step is None:
         # One request decoding alone, eagerly: the step Llama.generate takes (`forward` from an int position), so
         # that its tokens are generate's in every dtype. The batched step rounds otherwise in bfloat16.
         (row,) = plan.decode_rows
         token = torch.tensor([[plan.decode_tokens[row]]], dtype=torch.long, device=device)  # (1, 1)
         with caches_of_row(model, row):
-            decode_logits = model.forward(token, plan.decode_positions[row], last_logits_only=True)[:, -1]
+            decode_logits[row] = model.forward(token, plan.decode_positions[row], last_logits_only=True)[0, -1]
     elif plan.decode_rows:
         tokens = torch.tensor(plan.decode_tokens, dtype=torch.long, device=device)[:, None]  # (n, 1)
         positions = torch.tensor(plan.decode_positions, dtype=torch.long, device=device)  # (n,)
         logits = (decode_step or model.decode_step)(tokens, positions)[:, -1]
-        decode_logits = logits[plan.decode_rows]
+        decode_logits = {i: logits[i] for i in plan.decode_rows}  # views: no copy of the (n, vocab_size) logits
     for row, start, chunk in plan.prefills:
         # After the decode step, whose write at this row's position (an input nobody reads) this chunk overwrites.
         tokens = torch.tensor([chunk], dtype=torch.long, device=device)  # (1, len(chunk))
@@ -280,8 +279,8 @@ class Engine:
         if self.channel is not None:
             self.channel.send(plan)
         decode_logits, prefill_logits = run_plan(self.model, self.decode_step, plan)
-        for k, i in enumerate(plan.decode_rows):
-            self.sample(i, self.rows[i], decode_logits[k])
+        for i, logits in decode_logits.items():
+            self.sample(i, self.rows[i], logits)
         for (i, _, chunk), logits in zip(plan.prefills, prefill_logits):
             row = self.rows[i]
             row.prefilled += len(chunk)
