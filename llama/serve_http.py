@@ -255,6 +255,9 @@ class ChatAnswer(Answer):
     def with_tools(self) -> bool:
         return bool(self.body.tools) and self.body.tool_choice != "none"
 
+    def logprobs(self, outputs: List[Output]) -> Optional[dict]:
+        return chat_logprobs(outputs, self.service.tokenizer) if self.body.logprobs and outputs else None
+
     def message(self, text: str, reason: str) -> Tuple[dict, str]:
         """The assistant message and finish_reason, with tool calls read from the text when tools were offered."""
         calls = tool_calls_out(text, "end_of_turn", self.service.formatter) if self.with_tools() else None
@@ -282,19 +285,20 @@ class ChatAnswer(Answer):
             return self.envelope("chat.completion.chunk", [choice])
 
         yield chunk({"role": "assistant", "content": ""})
-        held = []
+        held, held_outputs = [], []
         try:
             async for piece, outs, finish in self.pieces(outputs):
-                logprobs = chat_logprobs(outs, self.service.tokenizer) if self.body.logprobs and outs else None
                 if self.with_tools():
                     held.append(piece)
-                elif piece or logprobs:
-                    yield chunk({"content": piece}, logprobs=logprobs)
+                    held_outputs += outs
+                elif piece or (outs and self.body.logprobs):
+                    yield chunk({"content": piece}, logprobs=self.logprobs(outs))
                 if finish is not None:
                     if self.with_tools():
                         message, finish = self.message("".join(held), finish)
                         calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls") or [])]
-                        yield chunk({"tool_calls": calls} if calls else {"content": message["content"]})
+                        delta = {"tool_calls": calls} if calls else {"content": message["content"]}
+                        yield chunk(delta, logprobs=self.logprobs(held_outputs))
                     yield chunk({}, finish)
         except APIError as e:
             yield e.body()

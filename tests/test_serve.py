@@ -3,10 +3,8 @@ by raw HTTP: its answers against `Llama.generate` in this process, streaming, to
 batch, bad input, a full queue, clients that go away, and shutdown."""
 
 import json
-import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +19,8 @@ httpx = import_or_skip("httpx", "pip install -e '.[test]'")
 openai = import_or_skip("openai", "pip install -e '.[test]'")
 import_or_skip("fastapi", "pip install -e '.[serve]'")
 
+from serve_process import Server  # noqa: E402
+
 from llama.tools import tool_messages  # noqa: E402
 
 MODEL = "tiny"
@@ -29,46 +29,6 @@ MAX_SEQ_LEN = 1024
 ROWS = 4
 QUEUE = 2
 PREFILL_CHUNK = 16  # small, so that most prompts here are prefilled over several steps
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A `python -m llama.serve` process on loopback, its output in a file."""
-
-    def __init__(self, ckpt: Path, log: Path, *flags: str, launcher=(sys.executable, "-m")):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        command = [*launcher, "llama.serve", "--ckpt_dir", str(ckpt), "--port", str(self.port), *flags]
-        root = Path(__file__).resolve().parents[1]
-        env = dict(os.environ, PYTHONPATH=str(root))
-        with open(log, "w") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=env)
-        deadline = time.time() + 120
-        while not self.healthy():
-            if self.process.poll() is not None or time.time() > deadline:
-                self.stop()
-                pytest.fail(f"the server did not start:\n{log.read_text()}")
-            time.sleep(0.2)
-
-    def healthy(self) -> bool:
-        try:
-            return httpx.get(self.url + "/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +129,18 @@ def test_completion_logprobs_and_echo(client, reference):
     assert choice.logprobs.token_logprobs == pytest.approx(logprobs[0], abs=1e-4)
     for top, chosen in zip(choice.logprobs.top_logprobs, choice.logprobs.token_logprobs):
         assert len(top) == 2 and max(top.values()) == pytest.approx(chosen, abs=1e-6)  # greedy: the likeliest
+
+
+def test_streamed_chat_logprobs_are_generate_s(client, reference):
+    messages = [{"role": "user", "content": QUESTIONS[2]}]
+    tokens, logprobs = reference.generate([chat_prompt(reference, messages)], 10, temperature=0, logprobs=True)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, logprobs=True, top_logprobs=3)  # fmt: skip
+    entries = [entry for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+               for entry in chunk.choices[0].logprobs.content]  # fmt: skip
+    assert [entry.token for entry in entries] == [reference.tokenizer.decode([t]) for t in tokens[0]]
+    assert [entry.logprob for entry in entries] == pytest.approx(logprobs[0], abs=1e-4)
+    assert all(len(entry.top_logprobs) == 3 for entry in entries)
 
 
 def test_stop_string_cuts_the_answer(client):
