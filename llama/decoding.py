@@ -242,9 +242,12 @@ def as_float(value) -> Optional[float]:
         return None
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
     """Each row's next token from its logits (bsz, vocab_size): `greedy_pick` at temperature 0, else a draw of
-    `sample_top_p` from softmax(logits / temperature), as Meta's reference does. Returns (bsz, 1).
+    `sample_top_p` from softmax(logits / temperature), as Meta's reference does, from `generator` (default: the
+    global one). Returns (bsz, 1).
 
     As the temperature goes to 0 the distribution narrows to the greedy token. A temperature so small that
     logits / temperature overflows float32 (1e-300 does for any logit) leaves the softmax nothing but NaN, a
@@ -255,10 +258,10 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float) -> torch
     probs = torch.softmax(logits / float(temperature), dim=-1)
     drawable = ~torch.isnan(probs).any(dim=-1)
     if bool(drawable.all()):
-        return sample_top_p(probs, float(top_p))
+        return sample_top_p(probs, float(top_p), generator)
     next_token = greedy_pick(logits).reshape(-1, 1)
     if bool(drawable.any()):
-        next_token[drawable] = sample_top_p(probs[drawable], float(top_p))
+        next_token[drawable] = sample_top_p(probs[drawable], float(top_p), generator)
     return next_token
 
 
@@ -270,16 +273,17 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-def sample_top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
+def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Nucleus sampling: draw from the smallest set of most likely tokens whose probabilities add up to more than
     `p`, renormalised.
 
     A token is kept when the tokens ranked above it hold at most `p` of the mass, so the most likely one always is.
-    One `torch.multinomial` draw per row, from the global generator: seeded runs give the same tokens.
+    One `torch.multinomial` draw per row, from `generator` or else the global one: seeded runs give the same tokens.
 
     Args:
         probs: Probability distributions, (bsz, vocab_size).
         p: Probability mass to keep.
+        generator: Where the draws come from; None: torch's global generator.
 
     Returns:
         The sampled token indices, (bsz, 1).
@@ -292,7 +296,7 @@ def sample_top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
     if head is not None:  # the rest of each row ranks below mass p: zeros, as in the fully sorted row
         nucleus = F.pad(nucleus, (0, probs.shape[-1] - nucleus.shape[-1]))
     nucleus = nucleus / nucleus.sum(dim=-1, keepdim=True)
-    drawn = torch.multinomial(nucleus, num_samples=1)
+    drawn = torch.multinomial(nucleus, num_samples=1, generator=generator)
     if head is None:
         return vocab_index.gather(-1, drawn)
     rows = range(len(probs))

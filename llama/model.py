@@ -114,6 +114,9 @@ def precompute_freqs_cis(
 
 
 def reshape_for_broadcast(freqs_cis: torch.Tensor, x: torch.Tensor):
+    if freqs_cis.ndim == 3:  # (bsz, seqlen, head_dim // 2): each row at positions of its own (decode_step)
+        assert freqs_cis.shape == (x.shape[0], x.shape[1], x.shape[-1])
+        return freqs_cis.view(x.shape[0], x.shape[1], 1, x.shape[-1])
     ndim = x.ndim
     assert 0 <= 1 < ndim
     assert freqs_cis.shape == (x.shape[1], x.shape[-1])
@@ -155,14 +158,20 @@ class KVCache(nn.Module):
         With an int `start_pos`, positions [start_pos, start_pos + seqlen) are written and the cache up to them is
         returned. `Transformer.decode_step` passes a one-element tensor instead, so that shapes never change from
         one step to the next (one compiled graph serves them all): that position is written and the whole cache is
-        returned, its unwritten positions left for the caller's mask to hide.
+        returned, its unwritten positions left for the caller's mask to hide. A tensor of bsz positions (one new
+        position per row) writes each row at its own.
         """
         bsz, seqlen = xk.shape[:2]
         if (self.cache_k.device, self.cache_k.dtype) != (xk.device, xk.dtype):  # follow the activations
             self.cache_k, self.cache_v = self.cache_k.to(xk), self.cache_v.to(xv)
-        if isinstance(start_pos, torch.Tensor):
+        if isinstance(start_pos, torch.Tensor) and len(start_pos) == 1:
             self.cache_k[:bsz].index_copy_(1, start_pos, xk)
             self.cache_v[:bsz].index_copy_(1, start_pos, xv)
+            return self.cache_k[:bsz], self.cache_v[:bsz]
+        if isinstance(start_pos, torch.Tensor):
+            rows = torch.arange(bsz, device=xk.device)
+            self.cache_k[rows, start_pos] = xk[:, 0]
+            self.cache_v[rows, start_pos] = xv[:, 0]
             return self.cache_k[:bsz], self.cache_v[:bsz]
         end = start_pos + seqlen
         self.cache_k[:bsz, start_pos:end] = xk
@@ -375,12 +384,17 @@ class Transformer(nn.Module):
 
         `position` is start_pos as a one-element tensor, and attention runs over the whole cache with the
         positions after it masked out, so that one compiled step (torch.compile, CUDA graphs) serves them all.
-        The RoPE table must exist: `init_kv_caches` or a first `forward` made it.
+        With bsz positions instead, each row is at its own (a batch whose requests started at different times,
+        `llama.engine`). The RoPE table must exist: `init_kv_caches` or a first `forward` made it.
         """
         h = self.tok_embeddings(tokens)  # (bsz, 1, dim)
-        freqs_cis = self.freqs_cis[position]  # (1, head_dim // 2)
         cache_positions = torch.arange(self.params.max_seq_len, device=tokens.device)
-        mask = cache_positions[None, :] <= position[:, None]  # (1, max_seq_len): the positions written so far
+        mask = cache_positions[None, :] <= position[:, None]  # (1 or bsz, max_seq_len): the positions written so far
+        if len(position) == 1:
+            freqs_cis = self.freqs_cis[position]  # (1, head_dim // 2)
+        else:
+            freqs_cis = self.freqs_cis[position][:, None]  # (bsz, 1, head_dim // 2)
+            mask = mask[:, None, None, :]  # (bsz, 1, 1, max_seq_len): each row's own, for every head
         for layer in self.layers:
             h = layer(h, position, freqs_cis, mask)
         return self.output(self.norm(h)).float()

@@ -1,0 +1,105 @@
+"""An OpenAI-compatible HTTP server with continuous batching (docs/serve.md).
+
+    python -m llama.serve --ckpt_dir DIR [--port 8000] [--max_batch_size 8] [--max_seq_len 2048] ...
+    torchrun --nproc_per_node N -m llama.serve --ckpt_dir DIR ...
+
+Under torchrun the process of rank 0 serves HTTP and plans each step; every process runs the model.
+"""
+
+import argparse
+import importlib
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from llama.cli import user_errors
+
+INSTALL = "pip install 'llama3[serve]' (from a checkout: pip install -e '.[serve]')"
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m llama.serve", description="Serve a checkpoint over OpenAI's HTTP API, with continuous batching."
+    )
+    parser.add_argument("--ckpt_dir", required=True, help="Meta or Hugging Face checkpoint folder")
+    parser.add_argument("--tokenizer_path", help="tokenizer.model (default: looked for in ckpt_dir)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max_batch_size", type=int, default=8, help="requests decoded together (rows)")
+    parser.add_argument("--max_seq_len", type=int, default=2048, help="most prompt plus answer tokens of a request")
+    parser.add_argument("--max_queue", type=int, default=64, help="requests that may wait for a row; then HTTP 429")
+    parser.add_argument("--prefill_chunk", type=int, default=512, help="most prompt tokens run in one step")
+    parser.add_argument("--quantize", choices=["int8", "int4"], help="quantize the weights as they load")
+    parser.add_argument("--compile", action="store_true", help="decode with a torch.compile'd step")
+    parser.add_argument("--device", help='"cuda", "cpu", ... (default: CUDA when available)')
+    parser.add_argument("--dtype", help='"bfloat16", "float16" or "float32" (default: per device)')
+    parser.add_argument(
+        "--api_key",
+        default=os.environ.get("LLAMA_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $LLAMA_API_KEY; none: no check)",
+    )
+    parser.add_argument("--model_name", help="the model's name in the API (default: ckpt_dir's folder name)")
+    parser.add_argument("--drain_timeout", type=float, default=10, help="seconds to finish requests on Ctrl-C/SIGTERM")
+    args = parser.parse_args(argv)
+    for name in ("max_batch_size", "max_seq_len", "prefill_chunk"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    if args.max_queue < 0 or not 0 <= args.port < 65536:
+        parser.error("--max_queue must be >= 0 and --port in 0..65535")
+    return args
+
+
+def missing_dependencies() -> List[str]:
+    missing = []
+    for name in ("fastapi", "uvicorn"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Load the checkpoint and serve it until Ctrl-C or SIGTERM (`llama serve` runs this too)."""
+    args = parse_args(argv)
+    missing = missing_dependencies()
+    if missing:
+        print(f"error: llama.serve needs {' and '.join(missing)}: {INSTALL}", file=sys.stderr)
+        raise SystemExit(2)
+    import torch.distributed as dist
+    import uvicorn
+
+    from llama import Llama
+    from llama.engine import Engine, PlanChannel, follow_plans
+    from llama.serve_http import Service, create_app
+
+    with user_errors(vars(args)):
+        generator = Llama.build(
+            args.ckpt_dir, args.tokenizer_path, args.max_seq_len, args.max_batch_size,
+            device=args.device, dtype=args.dtype, compile=args.compile, quantize=args.quantize,
+        )  # fmt: skip
+    channel = PlanChannel() if dist.is_initialized() and dist.get_world_size() > 1 else None
+    decode_step = generator.decoder.decode_step  # compiled, or CUDA graphs; None: the eager step
+    if channel is not None and dist.get_rank() > 0:
+        follow_plans(generator.model, decode_step, channel)
+        return
+    engine = Engine(
+        generator.model, generator.tokenizer, decode_step, args.max_queue, args.prefill_chunk,
+        fixed_batch=args.compile, channel=channel,
+    )  # fmt: skip
+    name = args.model_name or Path(args.ckpt_dir).resolve().name
+    app = create_app(Service(engine, generator.tokenizer, name), args.api_key)
+    print(f"Serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, timeout_graceful_shutdown=args.drain_timeout, log_level="warning"
+    )
+    try:
+        uvicorn.Server(config).run()  # drains on Ctrl-C or SIGTERM, then raises the signal again, as uvicorn does
+    except KeyboardInterrupt:
+        raise SystemExit(128 + signal.SIGINT) from None
+
+
+if __name__ == "__main__":
+    main()

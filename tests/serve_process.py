@@ -1,0 +1,52 @@
+"""A `python -m llama.serve` process for the tests (tests/test_serve.py): on a free loopback port, its output in a
+file, waited for until /health answers."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `python -m llama.serve` process on loopback, its output in a file."""
+
+    def __init__(self, ckpt: Path, log: Path, *flags: str, launcher=(sys.executable, "-m")):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        command = [*launcher, "llama.serve", "--ckpt_dir", str(ckpt), "--port", str(self.port), *flags]
+        root = Path(__file__).resolve().parents[1]
+        env = dict(os.environ, PYTHONPATH=str(root))
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=env)
+        deadline = time.time() + 120
+        while not self.healthy():
+            if self.process.poll() is not None or time.time() > deadline:
+                self.stop()
+                pytest.fail(f"the server did not start:\n{log.read_text()}")
+            time.sleep(0.2)
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
