@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llama.cuda_graphs import decode_step_bytes
 from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
 from llama.model import FeedForward, ModelArgs, Transformer
+from llama.progress import LoadReport, weights_bar
 from llama.quantize import (
     check_device,
     check_scheme,
@@ -642,7 +643,7 @@ def rank_weights(
         if not (key == "output.weight" and tied):
             check_stored_dtype(key, reader, expected_shapes)
     embedding = None
-    for key in expected_shapes:
+    for key in weights_bar(expected_shapes, len(expected_shapes), global_rank()):
         if key == "output.weight" and tied:
             yield key, embedding  # the embedding, loaded under its own name
             continue
@@ -756,9 +757,10 @@ def load_checkpoint(
     version: Optional[str],
     timeout: timedelta,
     quantize: Optional[str] = None,
-) -> Tuple[Transformer, Tokenizer]:
+) -> Tuple[Transformer, Tokenizer, LoadReport]:
     """The load sequence of `Llama.build` (see its docstring for the arguments): check the arguments against the
-    checkpoint, join the process group, seed, read the tokenizer and this rank's weights."""
+    checkpoint, join the process group, seed, read the tokenizer and this rank's weights. The report says what was
+    chosen, and how long this took."""
     if tokenizer_path is not None and not isinstance(tokenizer_path, (str, os.PathLike)):
         raise ValueError(
             f"tokenizer_path must be the path of a tokenizer.model file or None, got {short_repr(tokenizer_path)}"
@@ -810,9 +812,10 @@ def load_checkpoint(
     check_kv_cache_fits(model_args, model_parallel_size, device, dtype)
     mp_rank = fs_init.get_model_parallel_rank()
     model = load_model(reader, model_args, mp_rank, model_parallel_size, device, dtype, quantize)
-    if global_rank() == 0:  # the reference prints this line; other processes load the same way, silently
-        print(f"Loaded in {time.time() - start_time:.2f} seconds")
-    return model, tokenizer
+    report = LoadReport(
+        reader.format, device, dtype, quantize, bool(saved), model_parallel_size, time.time() - start_time
+    )
+    return model, tokenizer, report
 
 
 def checked_int(name: str, value, low: int, high: Optional[int] = None) -> int:
@@ -846,7 +849,7 @@ def check_kv_cache_fits(args: ModelArgs, mp_size: int, device: torch.device, dty
         raise ValueError(
             f"{what} for max_seq_len={args.max_seq_len} and max_batch_size={args.max_batch_size} needs "
             f"{needed / 2**30:.1f} GiB on {device}, which has {free / 2**30:.1f} GiB free; lower max_batch_size or "
-            "max_seq_len (--max_batch_size, --max_seq_len in the examples)"
+            "max_seq_len"
         )
 
 

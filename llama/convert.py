@@ -167,8 +167,10 @@ def copy_tokenizer(src: Path, out_dir: Path) -> Optional[Path]:
         return None
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="direction", required=True)
     to_hf = sub.add_parser("to-hf", help="Meta checkpoint -> Hugging Face folder")
     to_hf.add_argument("src", type=Path)

@@ -566,7 +566,7 @@ def make_fp16_copies(model: nn.Module) -> None:
     seconds = time.perf_counter() - start
     if global_rank() == 0 and made:
         kept = f" ({len(copies) - made} of {len(copies)} not: float16 cannot hold them)" if made < len(copies) else ""
-        print(f"Made float16 copies of the weights for this CPU's kernels{kept} in {seconds:.2f} seconds")
+        logger.info("Made float16 copies of the weights for this CPU's kernels%s in %.2f seconds", kept, seconds)
 
 
 def speed_up_for_cpu(model: nn.Module) -> None:
@@ -576,7 +576,7 @@ def speed_up_for_cpu(model: nn.Module) -> None:
 
     Kernels that run on a second copy of the weights (float16 for fbgemm, oneDNN's blocked layout) are candidates
     only when that copy, 2 bytes a weight, fits in half the memory the system has available now. Float16 copies
-    are made here (`Llama.build` prints how long it took), oneDNN's at a weight's first input of the rows they
+    are made here (logged with how long it took), oneDNN's at a weight's first input of the rows they
     were chosen for. In bfloat16 where oneDNN has no bfloat16 kernels (AVX2), one new position attends through
     `one_position_attention`.
     """
