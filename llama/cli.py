@@ -86,19 +86,20 @@ def check_prompts_fit(
 
     kind = "dialog" if prompts and not isinstance(prompts[0], str) else "prompt"
     if isinstance(max_batch_size, int) and 1 <= max_batch_size < len(prompts):
-        raise ValueError(
-            f"The {len(prompts)} {kind}s here exceed max_batch_size={max_batch_size}; raise max_batch_size"
-        )
-    if not isinstance(max_seq_len, int) or max_seq_len < 1:
-        return  # Llama.build says what is wrong with it
-    tokenizer = Tokenizer(find_tokenizer(ckpt_dir, tokenizer_path))
+        raise ValueError(f"{len(prompts)} {kind}s exceed max_batch_size={max_batch_size}; raise max_batch_size")
+    if not isinstance(max_seq_len, int) or max_seq_len < 1 or not os.path.isdir(ckpt_dir):
+        return  # Llama.build says what is wrong
+    try:
+        tokenizer = Tokenizer(find_tokenizer(ckpt_dir, tokenizer_path))
+    except (FileNotFoundError, ValueError):
+        return  # as Llama.build will, in its order
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             n_tokens = len(tokenizer.encode(prompt, bos=True, eos=False))
         else:
             n_tokens = len(ChatFormat(tokenizer).encode_dialog_prompt(prompt))
         if n_tokens > max_seq_len:
-            which = f"The {kind}" if len(prompts) == 1 else f"{kind.capitalize()} {i} here"
+            which = f"The {kind}" if len(prompts) == 1 else f"{kind.capitalize()} {i}"
             raise ValueError(
                 f"{which} is {n_tokens} tokens long, longer than max_seq_len={max_seq_len}; raise max_seq_len"
             )
