@@ -126,5 +126,6 @@ def closest_command(word: str, commands: List[str]) -> Optional[str]:
     """The command `word` most likely meant (a typo such as /exti), or None when none is close."""
     import difflib
 
-    matches = difflib.get_close_matches(word, commands, n=1, cutoff=0.5)
-    return matches[0] if matches else None
+    by_lowercase = {command.lower(): command for command in commands}
+    matches = difflib.get_close_matches(word.lower(), by_lowercase, n=1, cutoff=0.5)
+    return by_lowercase[matches[0]] if matches else None
