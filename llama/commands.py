@@ -150,6 +150,8 @@ def complete(args: argparse.Namespace) -> None:
     from llama.progress import Stopwatch
 
     prompt = args.prompt
+    if prompt is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("Under torchrun every process needs the prompt: give it as an argument, not on stdin")
     if prompt is None:
         if sys.stdin.isatty():
             print("Reading the prompt from stdin; end it with Ctrl-D.", file=sys.stderr, flush=True)

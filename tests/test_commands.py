@@ -318,3 +318,24 @@ def test_ctrl_c_ends_an_example_with_one_line_and_status_130(tiny_checkpoint, to
     assert code == 130
     tail = output.decode(errors="replace").replace("^C", "").strip()
     assert tail.splitlines()[-1:] == ["Interrupted (Ctrl-C)"] and "Traceback" not in tail, output
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
+def test_ctrl_c_under_torchrun_is_one_line_from_the_processes(tmp_path, tokenizer_path):
+    """Ctrl-C reaches torchrun and both ranks: the ranks end with one line between them and status 130, no
+    traceback each (`[rank0]: Traceback ...`). torchrun then reports the stop in its own words."""
+    from helpers import make_checkpoint
+
+    checkpoint = make_checkpoint(tmp_path / "mp2", n_shards=2, seed=4)
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command = [*torchrun, "example_text_completion.py", "--ckpt_dir", checkpoint, "--tokenizer_path", tokenizer_path,
+               "--max_seq_len", "2048", "--max_gen_len", "2000"]  # fmt: skip
+    with terminal(command) as (pid, fd):
+        read_until(fd, rb"Loaded in ", 120)
+        time.sleep(1)  # into the generation
+        os.write(fd, b"\x03")
+        output = wait_for_exit(pid, fd, 60)[1].decode(errors="replace")
+    assert output.count("Interrupted (Ctrl-C)") == 1, output
+    assert "[rank" not in output and "KeyboardInterrupt" not in output, output
