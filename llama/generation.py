@@ -82,6 +82,10 @@ class Llama:
                 (`llama.cuda_graphs`): the eager step's logits bit for bit, one launch instead of hundreds. False
                 decodes eagerly, as the reference does.
 
+        Returns:
+            The generator. It prints nothing (the reference prints "Loaded in X seconds"): its `load_report` says what
+            was loaded, on which device, in which dtype and how fast, for the caller to show.
+
         Raises:
             FileNotFoundError: when ckpt_dir, params.json/config.json, a shard or the tokenizer is missing.
             ValueError: for arguments or checkpoints that cannot work together; the message says which.
