@@ -181,7 +181,7 @@ def run_chat(
     out = out or sys.stdout
     group = dist.new_group(backend="gloo", timeout=INPUT_TIMEOUT) if dist.get_world_size() > 1 else None
     if input_fn is None:
-        input_fn = LineEditor() if dist.get_rank() == 0 else input
+        input_fn = LineEditor([usage.split()[0] for usage in COMMANDS]) if dist.get_rank() == 0 else input
     session = ChatSession(generator, system_prompt, temperature, top_p, max_gen_len, out)
     print(
         'Chat with the model. /help lists the commands; /exit or Ctrl-D quits. """ on a line of its own starts and '
@@ -252,3 +252,9 @@ def loading(path: str):
         return load_dialog(path)
     except ValueError as e:
         return str(e)
+
+
+if __name__ == "__main__":  # python -m llama.chat CKPT_DIR ...: the same as `llama chat CKPT_DIR ...`
+    from llama.commands import main
+
+    main(["chat", *sys.argv[1:]])

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 from llama.tokenizer import Message
 
@@ -30,8 +30,9 @@ class LineEditor:
     """`input` with readline's line editing and a history file, where stdin and stdout are a terminal and Python
     has readline; plain `input` otherwise (a pipe, a file, Windows without readline)."""
 
-    def __init__(self):
+    def __init__(self, commands: Sequence[str] = ()):
         self.readline = None
+        self.commands = list(commands)
         if sys.stdin.isatty() and sys.stdout.isatty():
             try:
                 import readline  # importing it is what gives `input` line editing
@@ -40,6 +41,9 @@ class LineEditor:
             self.readline = readline
             self.path = history_file()
             readline.set_history_length(HISTORY_LENGTH)
+            readline.set_completer(self.complete)  # Tab completes a /command
+            readline.set_completer_delims(" \t\n")
+            readline.parse_and_bind("tab: complete")
             try:
                 readline.read_history_file(self.path)
             except OSError:  # none yet, or unreadable: start a new one
@@ -50,6 +54,12 @@ class LineEditor:
         if self.readline is not None and line.strip():
             self.save()
         return line
+
+    def complete(self, text: str, state: int) -> Optional[str]:
+        """readline's completer: the `state`-th command that starts with `text`, at the start of the line."""
+        at_start = self.readline.get_line_buffer().lstrip().startswith(text)
+        matches = [c for c in self.commands if c.startswith(text)] if text.startswith("/") and at_start else []
+        return matches[state] if state < len(matches) else None
 
     def save(self) -> None:
         """Write the history now, so that a session that ends by Ctrl-C or a crash keeps it."""

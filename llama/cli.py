@@ -108,3 +108,9 @@ def check_prompts_fit(
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+if __name__ == "__main__":  # python -m llama.cli: the `llama` command
+    from llama.commands import main
+
+    main()

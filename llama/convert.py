@@ -38,7 +38,7 @@ from llama.checkpoint import (
     split_dim,
     write_meta_checkpoint,
 )
-from llama.cli import user_errors
+from llama.cli import ends_on_ctrl_c, user_errors
 from llama.quantize import (
     DEFAULT_GROUP_SIZE,
     SAVED_DTYPE,
@@ -189,7 +189,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
     quantize.add_argument("--model_parallel_size", type=int, default=1, help="consolidated.NN.pth shards to write")
     args = parser.parse_args(argv)
     start = time.time()
-    with user_errors(["max_shard_gb", "model_parallel_size", "group_size"]):
+    with ends_on_ctrl_c(), user_errors(["max_shard_gb", "model_parallel_size", "group_size"]):
         if args.direction == "to-hf":
             meta_to_hf(args.src, args.out_dir, int(args.max_shard_gb * 2**30))
         elif args.direction == "to-meta":

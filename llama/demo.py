@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import torch
 
 from llama.checkpoint import check_model_parallel_size, full_shapes, write_meta_checkpoint
-from llama.cli import user_errors
+from llama.cli import ends_on_ctrl_c, user_errors
 from llama.model import ModelArgs
 
 DEMO_PARAMS = {
@@ -103,7 +103,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
     parser.add_argument("--shards", type=int, default=1, help="model-parallel shards to write (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights")
     args = parser.parse_args(argv)
-    with user_errors(["shards", "seed"]):
+    with ends_on_ctrl_c(), user_errors(["shards", "seed"]):
         check_model_parallel_size(ModelArgs(**DEMO_PARAMS), args.shards, setting="--shards")
         remove_previous_demo(args.out_dir)
         write_meta_checkpoint(args.out_dir, DEMO_PARAMS, random_weights(DEMO_PARAMS, args.seed), args.shards)

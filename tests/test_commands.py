@@ -85,6 +85,15 @@ def test_the_console_script_is_declared_and_runs_the_same_main():
     assert runpy.run_path(str(ROOT / "llama" / "__main__.py"))["main"] is main  # python -m llama
 
 
+def test_the_modules_that_did_nothing_run_the_command():
+    """`python -m llama.chat` and `python -m llama.cli` once exited 0 doing nothing."""
+    assert llama_command("-h").stdout == (
+        subprocess.run([sys.executable, "-m", "llama.cli", "-h"], cwd=ROOT, capture_output=True, text=True).stdout
+    )
+    chat = subprocess.run([sys.executable, "-m", "llama.chat", "-h"], cwd=ROOT, capture_output=True, text=True)
+    assert chat.returncode == 0 and chat.stdout.startswith("usage: llama chat ")
+
+
 def test_help_lists_every_command():
     result = llama_command("-h")
     assert result.returncode == 0 and result.stdout.startswith("usage: llama ")
@@ -259,7 +268,9 @@ UP_ARROW = b"\x1b[A"
 
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
-def test_the_up_arrow_recalls_earlier_messages_across_sessions(tiny_checkpoint, tokenizer_path, tmp_path):
+def test_the_up_arrow_recalls_earlier_messages_across_sessions_and_tab_completes(
+    tiny_checkpoint, tokenizer_path, tmp_path
+):
     state = tmp_path / "state"
     chat = ["-m", "llama", "chat", tiny_checkpoint, "--tokenizer_path", tokenizer_path, "--max_seq_len", "128",
             "--max_gen_len", "3"]  # fmt: skip
@@ -278,7 +289,9 @@ def test_the_up_arrow_recalls_earlier_messages_across_sessions(tiny_checkpoint, 
         read_until(fd, rb"What is a lighthouse\?", 10)  # redrawn on the line, not sent as ^[[A
         os.write(fd, b"\r")
         read_until(fd, rb"tokens/s\]\r?\nUser: ", 60)
-        os.write(fd, f"/save {saved}\r/exit\r".encode())
+        os.write(fd, f"/save {saved}\r".encode())
+        read_until(fd, rb"\[saved 2 messages", 10)
+        os.write(fd, b"/ex\t\r")  # Tab completes the command
         code, output = wait_for_exit(pid, fd, 30)
     assert code == 0
     assert b"^[[A" not in output
