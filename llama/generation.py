@@ -39,7 +39,7 @@ class ChatPrediction(TypedDict, total=False):
 
 class Llama:
     load_report: Optional[LoadReport] = None  # what `build` chose and how long it took
-    last_speed: Optional[Speed] = None  # of the last `generate`, `text_completion` or `chat_completion` call
+    last_speed: Optional[Speed] = None  # of the last `generate`, `text_completion` or `chat_completion` (not streams)
 
     @staticmethod
     def build(
@@ -101,7 +101,6 @@ class Llama:
             generator.compile_decode_step()
         elif use_cuda_graphs(generator.device, fs_init.get_model_parallel_world_size(), cuda_graphs):
             generator.decoder.decode_step = CUDAGraphDecodeStep(model)
-        # The reference prints "Loaded in X seconds"; this library prints nothing, and its callers show the report.
         generator.load_report = dataclasses.replace(report, seconds=time.time() - start)
         return generator
 
@@ -148,8 +147,8 @@ class Llama:
         max_gen_len = self._gen_len(max_gen_len)
         stopwatch = Stopwatch(self.decoder)
         out_tokens, out_logprobs, _ = self.decoder.run(prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo)
-        new_tokens = sum(len(t) - (len(p) if echo else 0) for t, p in zip(out_tokens, prompt_tokens))
-        self.last_speed = stopwatch.speed(max(new_tokens, 0))
+        new_tokens = sum(max(len(t) - (len(p) if echo else 0), 0) for t, p in zip(out_tokens, prompt_tokens))
+        self.last_speed = stopwatch.speed(new_tokens)
         return out_tokens, out_logprobs if logprobs else None
 
     def text_completion(
