@@ -39,6 +39,7 @@ from llama.checkpoint import (
     write_meta_checkpoint,
 )
 from llama.cli import ends_on_ctrl_c, user_errors
+from llama.progress import weights_bar
 from llama.quantize import (
     DEFAULT_GROUP_SIZE,
     SAVED_DTYPE,
@@ -70,7 +71,7 @@ def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> No
         for index, keys in enumerate(groups):
             file_name = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
             tensors = {}
-            for key in keys:
+            for key in weights_bar(keys, len(keys), rank=0, what=f"Writing {file_name}"):
                 tensor = read_full(reader, key)
                 if key.endswith(("attention.wq.weight", "attention.wk.weight")):
                     tensor = permute_for_rotate_half(tensor, tensor.shape[0] // args.head_dim)
@@ -97,7 +98,8 @@ def hf_to_meta(src: Path, out_dir: Path, model_parallel_size: int = 1) -> None:
     with atomic_output_dir(out_dir) as tmp_dir:
         (tmp_dir / "params.json").write_text(json.dumps(params, indent=2) + "\n")
         for rank in range(model_parallel_size):
-            shard = {key: reader.read_shard(key, rank, model_parallel_size) for key in reader.shapes}
+            keys = weights_bar(reader.shapes, len(reader.shapes), rank=0, what=f"Writing shard {rank}")
+            shard = {key: reader.read_shard(key, rank, model_parallel_size) for key in keys}
             save_shard(shard, tmp_dir / f"consolidated.{rank:02d}.pth")
             print(f"[{rank + 1}/{model_parallel_size}] wrote consolidated.{rank:02d}.pth", flush=True)
             del shard
