@@ -13,6 +13,7 @@ Everything but the generated text goes to stderr: the line saying what was loade
 """
 
 import argparse
+import difflib
 import importlib
 import os
 import sys
@@ -31,10 +32,11 @@ DELEGATED = {
     "demo": ("llama.demo", "write a small random-weight checkpoint with the real tokenizer, to try things on"),
 }
 
-# The flags a message from the library may name (`max_seq_len=...`), written back as flags (`--max_seq_len`).
+# Every flag of `chat` and `complete`: a message from the library that names one (`max_seq_len=...`) is shown with it
+# as a flag (`--max_seq_len`), and `--max-seq-len` is read as `--max_seq_len`.
 FLAGS = [
     "tokenizer_path", "max_seq_len", "max_batch_size", "max_gen_len", "temperature", "top_p", "seed", "device",
-    "dtype", "quantize", "compile", "system_prompt",
+    "dtype", "quantize", "compile", "nocuda_graphs", "verbose", "system_prompt",
 ]  # fmt: skip
 
 
@@ -65,16 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run Llama 3 checkpoints: chat, complete text, serve, convert.",
         epilog="Run `llama COMMAND -h` for a command's flags. Guide: docs/chat.md.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chat = commands.add_parser("chat", help="chat with an Instruct model in the terminal", description=CHAT_HELP)
     add_model_flags(chat, max_gen_len=None)
     chat.add_argument("--system_prompt", help="a system message that opens the conversation")
+    chat.set_defaults(command_parser=chat)
     complete = commands.add_parser(
         "complete", help="continue a text and stream it to stdout", description=COMPLETE_HELP
     )
     add_model_flags(complete, max_gen_len=256)
     complete.add_argument("prompt", nargs="?", help="the text to continue; read from stdin when left out")
+    complete.set_defaults(command_parser=complete)
     for name, (_, help_text) in DELEGATED.items():  # listed in `llama -h`; their flags are their own
         commands.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -94,13 +98,36 @@ def main(argv: Optional[List[str]] = None) -> None:
         if argv and argv[0] in DELEGATED:
             run_delegated(argv[0], argv[1:])
             return
-        args = build_parser().parse_args(argv)
+        args, unknown = build_parser().parse_known_args(with_underscores(argv))
+        if unknown:  # said with the command's usage, not the top level's, and the flag meant if it is a typo
+            args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{flag_hint(unknown)}")
         show_logs(args.verbose)
         with user_errors(FLAGS):
             if args.command == "chat":
                 chat(args)
             else:
                 complete(args)
+
+
+def with_underscores(argv: List[str]) -> List[str]:
+    """`argv` with flags spelt with dashes (`--max-seq-len`, as the example scripts also take them) written as the
+    flags are named (`--max_seq_len`); any other argument is left as it is."""
+    spelt = []
+    for arg in argv:
+        name, equals, value = arg.partition("=")
+        flag = name[2:].replace("-", "_")
+        spelt.append(f"--{flag}{equals}{value}" if name.startswith("--") and flag in FLAGS else arg)
+    return spelt
+
+
+def flag_hint(unknown: List[str]) -> str:
+    """The hint " (did you mean --max_seq_len?)" for the first of `unknown` close to a flag, else ""."""
+    for arg in unknown:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg[2:].partition("=")[0], FLAGS, n=1, cutoff=0.6)
+            if close:
+                return f" (did you mean --{close[0]}?)"
+    return ""
 
 
 def run_delegated(command: str, argv: List[str]) -> None:

@@ -146,7 +146,18 @@ def test_a_bad_choice_or_a_mistyped_flag_is_refused_with_usage():
     assert result.returncode == 2
     assert "argument --quantize: invalid choice: 'int9'" in result.stderr and "Traceback" not in result.stderr
     result = llama_command("chat", "x", "--max_sequence_len", "64")
-    assert result.returncode == 2 and "unrecognized arguments: --max_sequence_len 64" in result.stderr
+    assert result.returncode == 2 and result.stderr.startswith("usage: llama chat ")  # the command's usage
+    assert result.stderr.endswith(
+        "llama chat: error: unrecognized arguments: --max_sequence_len 64 (did you mean --max_seq_len?)\n"
+    )
+
+
+def test_flags_may_be_spelt_with_dashes():
+    result = llama_command("complete", "no/such/folder", "Hi", "--max-seq-len", "64", "--top-p=2")
+    assert (result.returncode, result.stderr) == (2, "error: --top_p must be a number in (0, 1], got 2.0\n")
+    for command in ("chat", "complete"):  # every flag shown is one the dashes and the error messages know
+        shown = shown_flags(llama_command(command, "-h").stdout) - {"help"}
+        assert shown <= set(llama.commands.FLAGS), shown - set(llama.commands.FLAGS)
 
 
 def test_a_prompt_too_long_is_refused_before_the_weights_load(unloadable_checkpoint, tokenizer_path):
