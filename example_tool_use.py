@@ -113,6 +113,8 @@ def main(
     check_sampling(temperature, top_p, max_gen_len)  # before the minutes a load can take
     if tool_format not in TOOL_PROMPT_FORMATS:
         raise ValueError(f"tool_format must be one of {', '.join(TOOL_PROMPT_FORMATS)}; got {tool_format!r}")
+    opening = tool_messages(TOOLS, tool_format=tool_format) + [{"role": "user", "content": question}]
+    cli.check_prompts_fit(ckpt_dir, tokenizer_path, [opening], max_seq_len, 1)
     if int(os.environ.get("RANK", "0")) > 0:
         sys.stdout = open(os.devnull, "w")  # every rank computes the same answers; only the first one prints
 
@@ -130,7 +132,6 @@ def main(
         print("(This checkpoint uses Llama 3's special tokens: it was not trained to call tools.)\n")
     # The model's calls are written back into the dialog in the form the tools were offered in.
     generator.formatter = ChatFormat(generator.tokenizer, tool_prompt_format=tool_format)
-    opening = tool_messages(TOOLS, tool_format=tool_format) + [{"role": "user", "content": question}]
     dialog = chat_with_tools(
         generator, opening, TOOLS, max_rounds=max_rounds, temperature=temperature, top_p=top_p, max_gen_len=max_gen_len
     )

@@ -136,6 +136,8 @@ def test_the_tool_example_takes_quantize():
          r"4 dialogs exceed --max_batch_size=3; raise --max_batch_size"),
         ("example_chat_completion.py", ["--max_seq_len", "20"],
          r"Dialog 0 is \d+ tokens long, longer than --max_seq_len=20; raise --max_seq_len"),
+        ("example_tool_use.py", ["--max_seq_len", "100"],
+         r"The dialog is \d+ tokens long, longer than --max_seq_len=100; raise --max_seq_len"),
     ],
 )  # fmt: skip
 def test_example_prompts_that_cannot_fit_are_refused_before_the_weights_load(
