@@ -72,7 +72,8 @@ def ends_on_ctrl_c() -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":
-            print("Interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+            start_of_line = "\n" if sys.stderr.isatty() else ""  # a terminal's cursor is after the prompt, or ^C
+            print(f"{start_of_line}Interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         raise SystemExit(INTERRUPTED_EXIT_STATUS) from None
 
 

@@ -188,11 +188,13 @@ def complete(args: argparse.Namespace) -> None:
     generator = load(args, [prompt])
     stopwatch = Stopwatch(generator.decoder)
     n_tokens = 0
-    for chunk in generator.text_completion_stream([prompt], args.temperature, args.top_p, args.max_gen_len):
-        sys.stdout.write(chunk.text)
+    try:
+        for chunk in generator.text_completion_stream([prompt], args.temperature, args.top_p, args.max_gen_len):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            n_tokens = chunk.n_tokens
+    finally:  # the text ends its line, also when Ctrl-C cuts it short
+        sys.stdout.write("\n")
         sys.stdout.flush()
-        n_tokens = chunk.n_tokens
-    sys.stdout.write("\n")
-    sys.stdout.flush()
     if os.environ.get("RANK", "0") == "0":
         print(stopwatch.speed(n_tokens), file=sys.stderr)

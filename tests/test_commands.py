@@ -363,3 +363,18 @@ def test_ctrl_c_under_torchrun_is_one_line_from_the_processes(tmp_path, tokenize
         output = wait_for_exit(pid, fd, 60)[1].decode(errors="replace")
     assert output.count("Interrupted (Ctrl-C)") == 1, output
     assert "[rank" not in output and "KeyboardInterrupt" not in output, output
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
+def test_ctrl_c_ends_a_completion_with_its_text_then_one_line(tiny_checkpoint, tokenizer_path):
+    command = ["-m", "llama", "complete", tiny_checkpoint, "Once upon a time", "--tokenizer_path", tokenizer_path,
+               "--max_seq_len", "2048", "--max_gen_len", "2000"]  # fmt: skip
+    with terminal(command) as (pid, fd):
+        read_until(fd, rb"model-parallel size 1", 120)  # loaded: writing next
+        time.sleep(1)
+        os.write(fd, b"\x03")
+        code, output = wait_for_exit(pid, fd, 30)
+    assert code == 130
+    lines = [line for line in output.decode(errors="replace").splitlines() if line.strip()]
+    assert lines[-1] == "Interrupted (Ctrl-C)" and "Traceback" not in output.decode(errors="replace"), output
