@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         "complete", help="continue a text and stream it to stdout", description=COMPLETE_HELP
     )
     add_model_flags(complete, max_gen_len=256)
-    complete.add_argument("prompt", nargs="?", help="the text to continue; read from stdin when left out")
+    complete.add_argument("prompt", nargs="?", help="the text to continue; read from stdin when left out or -")
     complete.set_defaults(command_parser=complete)
     for name, (_, help_text) in DELEGATED.items():  # listed in `llama -h`; their flags are their own
         commands.add_parser(name, help=help_text, add_help=False)
@@ -176,13 +176,13 @@ def chat(args: argparse.Namespace) -> None:
 def complete(args: argparse.Namespace) -> None:
     from llama.progress import Stopwatch
 
-    prompt = args.prompt
+    prompt = None if args.prompt == "-" else args.prompt  # "-": stdin, as for many commands
     if prompt is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("Under torchrun every process needs the prompt: give it as an argument, not on stdin")
     if prompt is None:
         if sys.stdin.isatty():
             print("Reading the prompt from stdin; end it with Ctrl-D.", file=sys.stderr, flush=True)
-        prompt = sys.stdin.read()
+        prompt = sys.stdin.read().removesuffix("\n")  # the newline `echo` and editors end a file with
     if not prompt:
         raise ValueError("The prompt is empty; give it as an argument or on stdin")
     generator = load(args, [prompt])

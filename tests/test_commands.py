@@ -184,7 +184,8 @@ def test_complete_streams_only_the_new_text_to_stdout(tiny_checkpoint, tokenizer
     flags = ["--tokenizer_path", tokenizer_path, "--max_seq_len", "64", "--temperature", "0", "--max_gen_len", "8"]
     for result in (
         llama_command("complete", tiny_checkpoint, prompt, *flags),
-        llama_command("complete", tiny_checkpoint, *flags, input=prompt),  # the prompt on stdin
+        llama_command("complete", tiny_checkpoint, *flags, input=prompt + "\n"),  # on stdin, as `echo` writes it
+        llama_command("complete", tiny_checkpoint, "-", *flags, input=prompt),
     ):
         assert result.returncode == 0, result.stderr
         assert result.stdout == expected + "\n"
