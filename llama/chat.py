@@ -183,11 +183,8 @@ def run_chat(
     if input_fn is None:
         input_fn = LineEditor([usage.split()[0] for usage in COMMANDS]) if dist.get_rank() == 0 else input
     session = ChatSession(generator, system_prompt, temperature, top_p, max_gen_len, out)
-    print(
-        'Chat with the model. /help lists the commands; /exit or Ctrl-D quits. """ on a line of its own starts and '
-        "ends a message of several lines.",
-        file=out,
-    )
+    greeting = 'Chat with the model: /help lists the commands, /exit or Ctrl-D quits, """ starts a message of lines.'
+    print(greeting, file=out)
     with ctrl_c_interrupts():
         while True:
             line = read_line("User: ", input_fn, group)
