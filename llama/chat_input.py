@@ -43,7 +43,8 @@ class LineEditor:
             readline.set_history_length(HISTORY_LENGTH)
             readline.set_completer(self.complete)  # Tab completes a /command
             readline.set_completer_delims(" \t\n")
-            readline.parse_and_bind("tab: complete")
+            libedit = "libedit" in (readline.__doc__ or "")  # macOS's Python: another syntax for key bindings
+            readline.parse_and_bind("bind ^I rl_complete" if libedit else "tab: complete")
             try:
                 readline.read_history_file(self.path)
             except OSError:  # none yet, or unreadable: start a new one
