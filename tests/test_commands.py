@@ -66,7 +66,8 @@ def unloadable_checkpoint(tmp_path_factory, tiny_checkpoint):
 # Help, version and routing -----------------------------------------------------------------------------------------
 
 
-def test_version_is_the_package_version_and_the_installed_one():
+def test_version_is_the_package_version_and_the_installed_one(monkeypatch):
+    monkeypatch.chdir(ROOT)  # setup.py reads requirements.txt from the folder it runs in
     result = llama_command("--version")
     assert (result.returncode, result.stdout) == (0, f"llama {llama.__version__}\n")
     with mock.patch("setuptools.setup") as setup:  # what `pip install` would record as the version
@@ -74,7 +75,8 @@ def test_version_is_the_package_version_and_the_installed_one():
     assert setup.call_args.kwargs["version"] == llama.__version__
 
 
-def test_the_console_script_is_declared_and_runs_the_same_main():
+def test_the_console_script_is_declared_and_runs_the_same_main(monkeypatch):
+    monkeypatch.chdir(ROOT)
     with mock.patch("setuptools.setup") as setup:
         runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
     scripts = setup.call_args.kwargs["entry_points"]["console_scripts"]
