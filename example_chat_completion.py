@@ -53,26 +53,6 @@ def main(
         quantize: "int8" or "int4": keep the linear layers' weights in 8 or 4 bits, quantized as they load;
             about 2x or 4x less memory than bfloat16 and faster decoding. On the CPU, dtype then defaults to bfloat16.
     """
-    check_sampling(temperature, top_p, max_gen_len)  # before the minutes a load can take
-    if int(os.environ.get("RANK", "0")) > 0:
-        # Every rank computes the same replies; only the first one prints them.
-        sys.stdout = open(os.devnull, "w")
-
-    generator = Llama.build(
-        ckpt_dir=ckpt_dir,
-        tokenizer_path=tokenizer_path,
-        max_seq_len=max_seq_len,
-        max_batch_size=max_batch_size,
-        device=device,
-        dtype=dtype,
-        compile=compile,
-        cuda_graphs=cuda_graphs,
-        quantize=quantize,
-    )
-    if interactive:
-        run_chat(generator, system_prompt, temperature, top_p, max_gen_len)
-        return
-
     dialogs: List[Dialog] = [
         [{"role": "user", "content": "How do I keep a bunch of fresh basil from wilting?"}],
         [
@@ -98,6 +78,30 @@ def main(
             {"role": "user", "content": "Why does the Moon change shape over a month?"},
         ],
     ]
+    check_sampling(temperature, top_p, max_gen_len)  # before the minutes a load can take
+    if system_prompt is not None and not interactive:
+        raise ValueError("system_prompt is for the terminal chat only; add interactive, or leave it out")
+    if not interactive:
+        cli.check_prompts_fit(ckpt_dir, tokenizer_path, dialogs, max_seq_len, max_batch_size)
+    if int(os.environ.get("RANK", "0")) > 0:
+        # Every rank computes the same replies; only the first one prints them.
+        sys.stdout = open(os.devnull, "w")
+
+    generator = Llama.build(
+        ckpt_dir=ckpt_dir,
+        tokenizer_path=tokenizer_path,
+        max_seq_len=max_seq_len,
+        max_batch_size=max_batch_size,
+        device=device,
+        dtype=dtype,
+        compile=compile,
+        cuda_graphs=cuda_graphs,
+        quantize=quantize,
+    )
+    print(generator.load_report)
+    if interactive:
+        run_chat(generator, system_prompt, temperature, top_p, max_gen_len)
+        return
     results = generator.chat_completion(
         dialogs,
         max_gen_len=max_gen_len,
@@ -110,6 +114,7 @@ def main(
             print(f"{msg['role'].capitalize()}: {msg['content']}\n")
         print(f"> {result['generation']['role'].capitalize()}: {result['generation']['content']}")
         print("\n==================================\n")
+    print(generator.last_speed)
 
 
 if __name__ == "__main__":

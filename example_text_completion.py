@@ -47,7 +47,20 @@ def main(
         quantize: "int8" or "int4": keep the linear layers' weights in 8 or 4 bits, quantized as they load;
             about 2x or 4x less memory than bfloat16 and faster decoding. On the CPU, dtype then defaults to bfloat16.
     """
+    prompts: List[str] = [
+        # Plain openings: the model should simply carry on writing.
+        "The best thing about walking home in the rain is",
+        "In a nutshell, a rainbow forms because sunlight ",
+        "A short note thanking a neighbour for watering the plants:\n\nDear Mrs. Alvarez,\n\nThank you so much for ",
+        # Few-shot: three worked pairs set the pattern, the fourth is left for the model to fill in.
+        "English words and their German equivalents:\n\n"
+        "lighthouse => Leuchtturm\n"
+        "strawberry jam => Erdbeermarmelade\n"
+        "snowy owl => Schneeeule\n"
+        "bread =>",
+    ]
     check_sampling(temperature, top_p, max_gen_len)  # before the minutes a load can take
+    cli.check_prompts_fit(ckpt_dir, tokenizer_path, prompts, max_seq_len, max_batch_size)
     if int(os.environ.get("RANK", "0")) > 0:
         # Every rank computes the same completions; only the first one prints them.
         sys.stdout = open(os.devnull, "w")
@@ -63,19 +76,7 @@ def main(
         cuda_graphs=cuda_graphs,
         quantize=quantize,
     )
-
-    prompts: List[str] = [
-        # Plain openings: the model should simply carry on writing.
-        "The best thing about walking home in the rain is",
-        "In a nutshell, a rainbow forms because sunlight ",
-        "A short note thanking a neighbour for watering the plants:\n\nDear Mrs. Alvarez,\n\nThank you so much for ",
-        # Few-shot: three worked pairs set the pattern, the fourth is left for the model to fill in.
-        "English words and their German equivalents:\n\n"
-        "lighthouse => Leuchtturm\n"
-        "strawberry jam => Erdbeermarmelade\n"
-        "snowy owl => Schneeeule\n"
-        "bread =>",
-    ]
+    print(generator.load_report)
     results = generator.text_completion(
         prompts,
         max_gen_len=max_gen_len,
@@ -86,6 +87,7 @@ def main(
         print(prompt)
         print(f"> {result['generation']}")
         print("\n==================================\n")
+    print(generator.last_speed)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ def main(
     max_rounds: int = 4,
     device: str = None,
     dtype: str = None,
+    quantize: str = None,
 ):
     """Lets a Llama 3.1, 3.2 or 3.3 Instruct model answer a question with two tools written in Python: a
     calculator and a clock.
@@ -106,10 +107,14 @@ def main(
         max_rounds: The most replies to ask for (each tool call takes one).
         device: "cuda", "cuda:N", "cpu" or "mps"; by default CUDA if there is a GPU, else the CPU.
         dtype: "bfloat16", "float16" or "float32"; by default bfloat16 on CUDA and float32 on the CPU.
+        quantize: "int8" or "int4": keep the linear layers' weights in 8 or 4 bits, quantized as they load;
+            about 2x or 4x less memory than bfloat16 and faster decoding. On the CPU, dtype then defaults to bfloat16.
     """
     check_sampling(temperature, top_p, max_gen_len)  # before the minutes a load can take
     if tool_format not in TOOL_PROMPT_FORMATS:
         raise ValueError(f"tool_format must be one of {', '.join(TOOL_PROMPT_FORMATS)}; got {tool_format!r}")
+    opening = tool_messages(TOOLS, tool_format=tool_format) + [{"role": "user", "content": question}]
+    cli.check_prompts_fit(ckpt_dir, tokenizer_path, [opening], max_seq_len, 1)
     if int(os.environ.get("RANK", "0")) > 0:
         sys.stdout = open(os.devnull, "w")  # every rank computes the same answers; only the first one prints
 
@@ -120,12 +125,13 @@ def main(
         max_batch_size=1,
         device=device,
         dtype=dtype,
+        quantize=quantize,
     )
+    print(generator.load_report)
     if generator.tokenizer.version == "3":
         print("(This checkpoint uses Llama 3's special tokens: it was not trained to call tools.)\n")
     # The model's calls are written back into the dialog in the form the tools were offered in.
     generator.formatter = ChatFormat(generator.tokenizer, tool_prompt_format=tool_format)
-    opening = tool_messages(TOOLS, tool_format=tool_format) + [{"role": "user", "content": question}]
     dialog = chat_with_tools(
         generator, opening, TOOLS, max_rounds=max_rounds, temperature=temperature, top_p=top_p, max_gen_len=max_gen_len
     )

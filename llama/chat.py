@@ -1,23 +1,27 @@
 """An interactive terminal chat with streamed answers, on top of `Llama.chat_completion_stream`.
 
-Commands: `/help` lists them, `/reset` clears the history (keeping the system prompt), `/exit` (or end of input)
-quits. Ctrl-C stops the current answer and keeps the session. Under torchrun, rank 0 reads the input and
-broadcasts it, and every rank generates in step; there Ctrl-C reaches every process (and torchrun, which then
-stops them all), so it ends the chat at once.
+Commands (`COMMANDS`; /help lists them) start with `/`; an unknown one is answered with the list, never sent to the
+model. Input is read by `llama.chat_input`: line editing and history, messages of several lines, saved dialogs.
+Ctrl-C stops the current answer and keeps the session; at the prompt it ends the chat. Under torchrun, rank 0
+reads the input and broadcasts it, and every rank generates in step; there Ctrl-C reaches every process (and
+torchrun, which then stops them all), so it ends the chat at once.
 """
 
 import signal
 import sys
 import threading
-import time
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Callable, Iterator, List, Optional, TextIO
+from typing import Callable, Iterator, List, Optional, TextIO, TypeVar
 
 import torch.distributed as dist
 
+from llama.chat_input import BLOCK, CONTINUED, LineEditor, closest_command, load_dialog, read_message, save_dialog
 from llama.generation import Llama
+from llama.progress import Stopwatch
 from llama.tokenizer import Message
+
+T = TypeVar("T")
 
 # Waiting for a person to type is not a fault: the input broadcast gets its own, patient process group.
 INPUT_TIMEOUT = timedelta(days=7)
@@ -25,9 +29,13 @@ INPUT_TIMEOUT = timedelta(days=7)
 COMMANDS = {
     "/help": "list these commands",
     "/reset": "clear the history (the system prompt stays)",
+    "/system TEXT": "set the system prompt (/system alone removes it); the history stays",
+    "/save FILE": "write the dialog to FILE as JSON",
+    "/load FILE": "go on from a dialog /save wrote",
     "/exit": "quit (so does end of input, Ctrl-D)",
 }
 ENDED_BY_CTRL_C = "[Ctrl-C under torchrun: torchrun stops every process, so the chat ends here]"
+CTRL_C = "\x03"  # what rank 0 hands the other ranks when Ctrl-C ends the chat at the prompt
 
 
 def several_processes() -> bool:
@@ -70,6 +78,19 @@ class ChatSession:
     def reset(self) -> None:
         self.history = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
 
+    def set_system_prompt(self, system_prompt: Optional[str]) -> None:
+        """Replace the system prompt (None: none), keeping the rest of the dialog."""
+        rest = self.history[1:] if self.history and self.history[0]["role"] == "system" else self.history
+        self.system_prompt = system_prompt
+        self.reset()
+        self.history += rest
+
+    def load(self, dialog: List[Message]) -> None:
+        """Go on from `dialog` (checked by `llama.chat_input.load_dialog`); its system message, if any, becomes the
+        system prompt."""
+        self.system_prompt = dialog[0]["content"] if dialog and dialog[0]["role"] == "system" else None
+        self.history = list(dialog)
+
     def answer_room(self) -> int:
         """Tokens kept free for the answer: max_gen_len, or a quarter of the context."""
         max_seq_len = self.generator.model.params.max_seq_len
@@ -96,7 +117,7 @@ class ChatSession:
         """Add a user message, stream the answer to `out`, and return it (partial if interrupted)."""
         self.history.append({"role": "user", "content": text})
         self.trim_history()
-        pieces, n_tokens, start = [], 0, time.time()
+        pieces, n_tokens, stopwatch = [], 0, Stopwatch(self.generator.decoder)
         print("Assistant: ", end="", file=self.out, flush=True)
         try:
             for chunk in self.generator.chat_completion_stream(
@@ -110,30 +131,40 @@ class ChatSession:
                 print(f"\n{ENDED_BY_CTRL_C}", file=self.out, flush=True)
                 raise SystemExit(130) from None
             print("\n[stopped]", end="", file=self.out)
-        elapsed = time.time() - start
+        speed = stopwatch.speed(n_tokens)  # compiling left out
         answer = "".join(pieces)
         self.history.append({"role": "assistant", "content": answer})
-        print(f"\n[{n_tokens} tokens in {elapsed:.1f} s, {n_tokens / max(elapsed, 1e-9):.1f} tokens/s]", file=self.out)
+        print(f"\n{speed}", file=self.out)
         return answer
 
 
-def read_line(prompt: str, input_fn: Callable[[str], str], group) -> str:
-    """Rank 0 reads a line (EOF means /exit, Ctrl-C an empty line); every rank gets it."""
-    line = [None]
-    if dist.get_rank() == 0:
-        try:
-            line[0] = input_fn(prompt).strip()
-        except EOFError:
-            line[0] = "/exit"
-        except KeyboardInterrupt:
-            print()
-            line[0] = ""
-            if several_processes():  # the others are waiting for this line: tell them to end too
-                print(ENDED_BY_CTRL_C)
-                line[0] = "/exit"
+def shared(make: Callable[[], T], group) -> T:
+    """`make()` computed by rank 0 and handed to every rank (all of them call this at the same point)."""
+    value = [make() if dist.get_rank() == 0 else None]
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(line, src=0, group=group)
-    return line[0]
+        dist.broadcast_object_list(value, src=0, group=group)
+    return value[0]
+
+
+def read_line(prompt: str, input_fn: Callable[[str], str], group) -> str:
+    """Rank 0 reads a message, of one line or several (EOF means /exit); every rank gets it. Ctrl-C ends the chat:
+    in one process as KeyboardInterrupt, under torchrun on every rank at once, with one line saying so."""
+
+    def read() -> str:
+        try:
+            return read_message(prompt, input_fn)
+        except EOFError:
+            return "/exit"
+        except KeyboardInterrupt:
+            if not several_processes():
+                raise
+            print(f"\n{ENDED_BY_CTRL_C}", flush=True)
+            return CTRL_C
+
+    line = shared(read, group)
+    if line == CTRL_C:
+        raise SystemExit(130)
+    return line
 
 
 def run_chat(
@@ -142,27 +173,85 @@ def run_chat(
     temperature: float = 0.6,
     top_p: float = 0.9,
     max_gen_len: Optional[int] = None,
-    input_fn: Callable[[str], str] = input,
+    input_fn: Optional[Callable[[str], str]] = None,
     out: Optional[TextIO] = None,
 ) -> None:
-    """Run the interactive chat until /exit or end of input."""
+    """Run the interactive chat until /exit or end of input. Lines are read with `input_fn`, by default `input` with
+    line editing and history where the terminal allows (`llama.chat_input.LineEditor`)."""
     out = out or sys.stdout
     group = dist.new_group(backend="gloo", timeout=INPUT_TIMEOUT) if dist.get_world_size() > 1 else None
+    if input_fn is None:
+        input_fn = LineEditor([usage.split()[0] for usage in COMMANDS]) if dist.get_rank() == 0 else input
     session = ChatSession(generator, system_prompt, temperature, top_p, max_gen_len, out)
-    print("Chat with the model. Commands: /help lists them, /reset clears the history, /exit quits.", file=out)
+    greeting = 'Chat with the model: /help lists the commands, /exit or Ctrl-D quits, """ starts a message of lines.'
+    print(greeting, file=out)
     with ctrl_c_interrupts():
         while True:
             line = read_line("User: ", input_fn, group)
             if line == "/exit":
                 break
-            if line == "/help":
-                print("\n".join(f"  {name:8} {what}" for name, what in COMMANDS.items()), file=out)
-                print("  Ctrl-C   stop the answer being written", file=out)
-            elif line == "/reset":
-                session.reset()
-                print("[history cleared]", file=out)
+            if line.startswith("/") and not line.startswith("//"):
+                run_command(session, line, group)
             elif line:
                 try:
-                    session.send(line)
+                    session.send(line[1:] if line.startswith("//") else line)
                 except ValueError as e:
                     print(f"[{e}]", file=out)
+
+
+def run_command(session: ChatSession, line: str, group) -> None:
+    """Carry out a /command; an unknown one is answered with the list, never sent to the model."""
+    out = session.out
+    name, _, argument = line.partition(" ")
+    argument = argument.strip()
+    if name == "/help":
+        print("\n".join(f"  {usage:14} {what}" for usage, what in COMMANDS.items()), file=out)
+        print(f"  {'Ctrl-C':14} stop the answer being written; at the prompt, end the chat", file=out)
+        print(f"  {'//text':14} send a message that starts with /", file=out)
+        print(f"  {BLOCK:14} a line of its own: starts, and another ends, a message of several lines", file=out)
+        print(f"  {'TEXT ' + CONTINUED:14} a line ending in {CONTINUED} goes on on the next one", file=out)
+    elif name == "/reset":
+        session.reset()
+        print("[history cleared]", file=out)
+    elif name == "/system":
+        session.set_system_prompt(argument or None)
+        print(f"[system prompt {'set' if argument else 'removed'}]", file=out)
+    elif name in ("/save", "/load") and not argument:
+        print(f"[{name} needs a file name: {name} FILE]", file=out)
+    elif name == "/save":
+        error = shared(lambda: saving_error(argument, session.history), group)  # rank 0 writes
+        print(f"[{error}]" if error else f"[saved {len(session.history)} messages to {argument}]", file=out)
+    elif name == "/load":
+        loaded = shared(lambda: loading(argument), group)  # rank 0 reads; every rank gets the dialog
+        if isinstance(loaded, str):
+            print(f"[{loaded}]", file=out)
+        else:
+            session.load(loaded)
+            print(f"[loaded {len(loaded)} messages from {argument}]", file=out)
+    else:
+        names = [usage.split()[0] for usage in COMMANDS]
+        guess = closest_command(name, names)
+        hint = f" Did you mean {guess}?" if guess else ""
+        print(f"[unknown command {name[:40]}.{hint} The commands: {', '.join(names)}]", file=out)
+
+
+def saving_error(path: str, dialog: List[Message]) -> Optional[str]:
+    try:
+        save_dialog(path, dialog)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def loading(path: str):
+    """The dialog in `path`, or the text of what is wrong with it."""
+    try:
+        return load_dialog(path)
+    except ValueError as e:
+        return str(e)
+
+
+if __name__ == "__main__":  # python -m llama.chat CKPT_DIR ...: the same as `llama chat CKPT_DIR ...`
+    from llama.commands import main
+
+    main(["chat", *sys.argv[1:]])

@@ -1,19 +1,23 @@
-"""What the command-line entry points share: flags checked before anything runs, and a user's mistake reported as
-one line that names the flag to change, not as a traceback.
+"""What the command-line entry points share: flags checked before anything runs, a user's mistake reported as
+one line that names the flag to change, not as a traceback, and Ctrl-C as one line and exit status 130.
 
 A user's mistake is what the library raises as `ValueError`, `FileNotFoundError` or `FileExistsError` (a missing
 folder, a device that is not here, a value out of range). Any other exception is a bug, and keeps its traceback.
 """
 
 import inspect
+import os
 import re
 import sys
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, List, Optional
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
 import fire
 
+from llama.logs import show_logs
+
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+INTERRUPTED_EXIT_STATUS = 130  # 128 + SIGINT, what a shell reports for a program that Ctrl-C ended
 
 
 def run(main: Callable, argv: Optional[List[str]] = None) -> None:
@@ -25,7 +29,8 @@ def run(main: Callable, argv: Optional[List[str]] = None) -> None:
     if unknown:
         valid = ", ".join(f"--{name}" for name in parameters)
         fail(f"unknown flag{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the flags are: {valid}")
-    with user_errors(parameters):
+    show_logs()
+    with ends_on_ctrl_c(), user_errors(parameters):
         fire.Fire(main, command=argv)
 
 
@@ -59,6 +64,54 @@ def user_errors(flags: Iterable[str]) -> Iterator[None]:
         fail(message)
 
 
+@contextmanager
+def ends_on_ctrl_c() -> Iterator[None]:
+    """Ctrl-C inside ends the program with one line on stderr (from the first process only, under torchrun) and exit
+    status 130, instead of a traceback per process."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":
+            start_of_line = "\n" if sys.stderr.isatty() else ""  # a terminal's cursor is after the prompt, or ^C
+            print(f"{start_of_line}Interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        raise SystemExit(INTERRUPTED_EXIT_STATUS) from None
+
+
+def check_prompts_fit(
+    ckpt_dir: str, tokenizer_path: Optional[str], prompts: Sequence, max_seq_len: int, max_batch_size: int
+) -> None:
+    """Raise the ValueError that generating `prompts` (texts, or dialogs) would raise for too small a max_batch_size
+    or max_seq_len, from the tokenizer alone: before the weights load, not after."""
+    from llama.checkpoint import find_tokenizer
+    from llama.tokenizer import ChatFormat, Tokenizer
+
+    kind = "dialog" if prompts and not isinstance(prompts[0], str) else "prompt"
+    if isinstance(max_batch_size, int) and 1 <= max_batch_size < len(prompts):
+        raise ValueError(f"{len(prompts)} {kind}s exceed max_batch_size={max_batch_size}; raise max_batch_size")
+    if not isinstance(max_seq_len, int) or max_seq_len < 1 or not os.path.isdir(ckpt_dir):
+        return  # Llama.build says what is wrong
+    try:
+        tokenizer = Tokenizer(find_tokenizer(ckpt_dir, tokenizer_path))
+    except (FileNotFoundError, ValueError):
+        return  # as Llama.build will, in its order
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            n_tokens = len(tokenizer.encode(prompt, bos=True, eos=False))
+        else:
+            n_tokens = len(ChatFormat(tokenizer).encode_dialog_prompt(prompt))
+        if n_tokens > max_seq_len:
+            which = f"The {kind}" if len(prompts) == 1 else f"{kind.capitalize()} {i}"
+            raise ValueError(
+                f"{which} is {n_tokens} tokens long, longer than max_seq_len={max_seq_len}; raise max_seq_len"
+            )
+
+
 def fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+if __name__ == "__main__":  # python -m llama.cli: the `llama` command
+    from llama.commands import main
+
+    main()

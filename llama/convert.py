@@ -1,9 +1,10 @@
 """Convert checkpoints between Meta's layout and Hugging Face's, in either direction, or quantize one.
 
-    python -m llama.convert to-hf    META_DIR OUT_DIR [--max_shard_gb 5]
-    python -m llama.convert to-meta  HF_DIR   OUT_DIR [--model_parallel_size N]
-    python -m llama.convert quantize CKPT_DIR OUT_DIR --scheme int8|int4 [--group_size 32] [--model_parallel_size N]
+    llama convert to-hf    META_DIR OUT_DIR [--max_shard_gb 5]
+    llama convert to-meta  HF_DIR   OUT_DIR [--model_parallel_size N]
+    llama convert quantize CKPT_DIR OUT_DIR --scheme int8|int4 [--group_size 32] [--model_parallel_size N]
 
+(`python -m llama.convert ...` is the same.)
 Tensors are streamed: at most one output file's worth of weights is in memory at a time (for `quantize`, the
 quantized weights and one layer in floating point). The output is written to a temporary folder and renamed
 when complete, so an interrupted run never looks finished.
@@ -38,7 +39,8 @@ from llama.checkpoint import (
     split_dim,
     write_meta_checkpoint,
 )
-from llama.cli import user_errors
+from llama.cli import ends_on_ctrl_c, user_errors
+from llama.progress import weights_bar
 from llama.quantize import (
     DEFAULT_GROUP_SIZE,
     SAVED_DTYPE,
@@ -69,7 +71,7 @@ def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> No
         for index, keys in enumerate(groups):
             file_name = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
             tensors = {}
-            for key in keys:
+            for key in weights_bar(keys, len(keys), rank=0, what=f"Writing {file_name}"):
                 tensor = read_full(reader, key)
                 if key.endswith(("attention.wq.weight", "attention.wk.weight")):
                     tensor = permute_for_rotate_half(tensor, tensor.shape[0] // args.head_dim)
@@ -96,7 +98,8 @@ def hf_to_meta(src: Path, out_dir: Path, model_parallel_size: int = 1) -> None:
     with atomic_output_dir(out_dir) as tmp_dir:
         (tmp_dir / "params.json").write_text(json.dumps(params, indent=2) + "\n")
         for rank in range(model_parallel_size):
-            shard = {key: reader.read_shard(key, rank, model_parallel_size) for key in reader.shapes}
+            keys = weights_bar(reader.shapes, len(reader.shapes), rank=0, what=f"Writing shard {rank}")
+            shard = {key: reader.read_shard(key, rank, model_parallel_size) for key in keys}
             save_shard(shard, tmp_dir / f"consolidated.{rank:02d}.pth")
             print(f"[{rank + 1}/{model_parallel_size}] wrote consolidated.{rank:02d}.pth", flush=True)
             del shard
@@ -167,8 +170,10 @@ def copy_tokenizer(src: Path, out_dir: Path) -> Optional[Path]:
         return None
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="direction", required=True)
     to_hf = sub.add_parser("to-hf", help="Meta checkpoint -> Hugging Face folder")
     to_hf.add_argument("src", type=Path)
@@ -186,7 +191,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     quantize.add_argument("--model_parallel_size", type=int, default=1, help="consolidated.NN.pth shards to write")
     args = parser.parse_args(argv)
     start = time.time()
-    with user_errors(["max_shard_gb", "model_parallel_size", "group_size"]):
+    with ends_on_ctrl_c(), user_errors(["max_shard_gb", "model_parallel_size", "group_size"]):
         if args.direction == "to-hf":
             meta_to_hf(args.src, args.out_dir, int(args.max_shard_gb * 2**30))
         elif args.direction == "to-meta":

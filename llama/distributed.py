@@ -2,10 +2,11 @@
 
 torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; the device index comes from the local rank (the GPU on this
 node) and the checkpoint slice from the model-parallel rank. Without torchrun, a one-process group is made.
-Every process computes the same tokens; the library prints from global rank 0 only, and leaves the other ranks'
-stdout alone (the example scripts silence it).
+Every process computes the same tokens; the library prints nothing on stdout (it logs), and leaves the other
+ranks' stdout alone (the example scripts silence it).
 """
 
+import logging
 import os
 from datetime import timedelta
 from typing import Optional, Union
@@ -13,6 +14,10 @@ from typing import Optional, Union
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 import torch.distributed as dist
+
+from llama.logs import stdout_to_log
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32,
@@ -103,7 +108,8 @@ def init_model_parallel(device: torch.device, model_parallel_size: Optional[int]
                 f"model_parallel_size={model_parallel_size} does not divide the {world_size} processes started; "
                 f"start {model_parallel_size} processes (torchrun --nproc_per_node {model_parallel_size})"
             )
-        fs_init.initialize_model_parallel(model_parallel_size)
+        with stdout_to_log(logger):  # fairscale prints its "> initializing ..." lines
+            fs_init.initialize_model_parallel(model_parallel_size)
         # fairscale makes its groups with torch's default timeout (30 minutes for gloo, 10 for NCCL), and the
         # model's all-reduces run in them: give them ours, or a rank would wait that long for a dead peer.
         # (newer torch releases name _set_pg_timeout publicly: torch.distributed.set_timeout.)

@@ -3,6 +3,8 @@
 `llama.decoding`; this class ties them together.
 """
 
+import dataclasses
+import time
 from datetime import timedelta
 from typing import Dict, Iterator, List, Optional, Tuple, TypedDict, Union
 
@@ -15,6 +17,7 @@ from llama.cuda_graphs import CUDAGraphDecodeStep
 from llama.decoding import BatchDecoder, StopReason, StreamChunk, checked_gen_len, compiled_decode_step
 from llama.model import Transformer
 from llama.parallel_layers import use_parallel_layers
+from llama.progress import AnnouncedCompiles, LoadReport, Speed, Stopwatch
 from llama.tokenizer import ChatFormat, Dialog, Message, Tokenizer
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -34,6 +37,9 @@ class ChatPrediction(TypedDict, total=False):
 
 
 class Llama:
+    load_report: Optional[LoadReport] = None  # what `build` chose and how long it took
+    last_speed: Optional[Speed] = None  # of the last `generate`, `text_completion` or `chat_completion` (not streams)
+
     @staticmethod
     def build(
         ckpt_dir: str,
@@ -75,11 +81,16 @@ class Llama:
                 (`llama.cuda_graphs`): the eager step's logits bit for bit, one launch instead of hundreds. False
                 decodes eagerly, as the reference does.
 
+        Returns:
+            The generator. It prints nothing (the reference prints "Loaded in X seconds"): its `load_report` says what
+            was loaded, on which device, in which dtype and how fast, for the caller to show.
+
         Raises:
             FileNotFoundError: when ckpt_dir, params.json/config.json, a shard or the tokenizer is missing.
             ValueError: for arguments or checkpoints that cannot work together; the message says which.
         """
-        model, tokenizer = load_checkpoint(
+        start = time.time()
+        model, tokenizer, report = load_checkpoint(
             ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size, seed,
             device, dtype, version, timeout, quantize,
         )  # fmt: skip
@@ -89,6 +100,7 @@ class Llama:
             generator.compile_decode_step()
         elif use_cuda_graphs(generator.device, fs_init.get_model_parallel_world_size(), cuda_graphs):
             generator.decoder.decode_step = CUDAGraphDecodeStep(model)
+        generator.load_report = dataclasses.replace(report, seconds=time.time() - start)
         return generator
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer):
@@ -104,7 +116,7 @@ class Llama:
         first call of each batch size compiles it, and prompts still run through `Transformer.forward`. The same
         math summed in another order: float32 keeps the eager path's tokens, bfloat16 may break near ties otherwise.
         """
-        self.decoder.decode_step = compiled_decode_step(self.model)
+        self.decoder.decode_step = AnnouncedCompiles(compiled_decode_step(self.model))
 
     @property
     def device(self) -> torch.device:
@@ -132,7 +144,10 @@ class Llama:
             ValueError: for an empty batch or prompt, a batch or prompt that is too long, or a bad parameter.
         """
         max_gen_len = self._gen_len(max_gen_len)
+        stopwatch = Stopwatch(self.decoder)
         out_tokens, out_logprobs, _ = self.decoder.run(prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo)
+        new_tokens = sum(max(len(t) - (len(p) if echo else 0), 0) for t, p in zip(out_tokens, prompt_tokens))
+        self.last_speed = stopwatch.speed(new_tokens)
         return out_tokens, out_logprobs if logprobs else None
 
     def text_completion(
@@ -188,9 +203,11 @@ class Llama:
             ValueError: for an empty list or dialog, a malformed message, too many or too long dialogs, a bad value.
         """
         prompt_tokens = encode_dialogs(self.formatter, dialogs)
+        stopwatch = Stopwatch(self.decoder)
         generation_tokens, generation_logprobs, stop_reasons = self.decoder.run(
             prompt_tokens, self._gen_len(max_gen_len), temperature, top_p, logprobs, echo=False
         )
+        self.last_speed = stopwatch.speed(sum(len(t) for t in generation_tokens))
         results: List[ChatPrediction] = []
         for t, logprobs_i, reason in zip(generation_tokens, generation_logprobs, stop_reasons):
             results.append({"generation": assistant_message(self.formatter, t, reason)})

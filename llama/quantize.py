@@ -38,7 +38,7 @@ CHUNK_VALUES = 2**21
 
 def check_scheme(scheme: str) -> None:
     if scheme not in SCHEMES:
-        raise ValueError(f"Unknown quantization scheme {scheme!r}; use one of {', '.join(SCHEMES)} (or None)")
+        raise ValueError(f"Unknown quantization scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
 
 
 def check_device(device: torch.device, scheme: str, dtype: torch.dtype) -> None:

@@ -59,6 +59,8 @@ def main() -> None:
         compile=args.compile,
         quantize=args.quantize,
     )
+    if rank == 0:  # the library prints nothing; its report of the load is the caller's to show
+        print(generator.load_report)
     if failing and args.fail:
         with open(f"{args.out_prefix}.rank{rank}.failed_at", "w") as f:  # when the others lose this rank
             f.write(str(time.time()))

@@ -95,7 +95,7 @@ class InterruptingGenerator:
 
     def __init__(self, llama):
         self.llama = llama
-        self.model, self.formatter = llama.model, llama.formatter
+        self.model, self.formatter, self.decoder = llama.model, llama.formatter, llama.decoder
 
     def chat_completion_stream(self, *args, **kwargs):
         for n, chunk in enumerate(self.llama.chat_completion_stream(*args, **kwargs)):
@@ -133,7 +133,7 @@ def test_a_message_without_content_names_the_message(tiny_llama):
 def test_ctrl_c_with_several_processes_ends_the_chat_at_once(tiny_llama, monkeypatch):
     """Under torchrun, Ctrl-C also reaches torchrun, which stops every process: the chat must not offer a prompt
     that is about to be killed. An answer interrupted ends the process; Ctrl-C at the prompt tells the others to
-    end too (rank 0 broadcasts /exit)."""
+    end too (rank 0 broadcasts it)."""
     import llama.chat
 
     monkeypatch.setattr(llama.chat, "several_processes", lambda: True)
@@ -149,7 +149,9 @@ def test_ctrl_c_with_several_processes_ends_the_chat_at_once(tiny_llama, monkeyp
 
     monkeypatch.setattr(llama.chat.dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(llama.chat.dist, "get_world_size", lambda group=None: 1)  # nothing to broadcast to here
-    assert llama.chat.read_line("User: ", interrupted, group=None) == "/exit"
+    with pytest.raises(SystemExit) as ended:  # at the prompt: every rank ends, rank 0 saying so
+        llama.chat.read_line("User: ", interrupted, group=None)
+    assert ended.value.code == 130
 
 
 def read_until(fd, pattern, timeout):

@@ -2,6 +2,9 @@
 path on CUDA against the CPU's, on tiny random weights.
 """
 
+import logging
+import re
+
 import pytest
 import torch
 from helpers import ATOL, GQA_PARAMS, load_tiny
@@ -44,9 +47,9 @@ def assert_same_completions(got, expected):
 @pytest.mark.parametrize(
     "device", ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 )
-def test_compiled_decoding_keeps_greedy_tokens(tiny_checkpoint, tokenizer_path, process_group, device):
+def test_compiled_decoding_keeps_greedy_tokens(tiny_checkpoint, tokenizer_path, process_group, device, caplog):
     """Llama.build(compile=True) decodes through torch.compile (on CUDA, CUDA graphs); float32 tokens stay those of
-    the eager path."""
+    the eager path. Compiling is announced, once per batch size, and left out of the speed reported."""
     from llama import Llama
 
     generator = Llama.build(
@@ -55,14 +58,21 @@ def test_compiled_decoding_keeps_greedy_tokens(tiny_checkpoint, tokenizer_path, 
     prompts = ["The capital of France is", "1, 2, 3,"]
     eager = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
     counters.clear()
+    caplog.set_level(logging.INFO, logger="llama.progress")
     generator.compile_decode_step()
     compiled = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]  # the whole step, compiled
     assert counters["inductor"]["cudagraph_skips"] == 0  # on CUDA, replayed as a CUDA graph
     assert_same_completions(compiled, eager)
+    notices = [r.getMessage() for r in caplog.records if r.name == "llama.progress"]
+    assert notices[0].startswith("Compiling the decode step for batch size 2 ")
+    assert re.fullmatch(r"Compiled the decode step for batch size 2 in \d+\.\d s", notices[1])
+    assert generator.last_speed.tokens == sum(len(c["tokens"]) for c in compiled)
+    assert generator.last_speed.seconds < generator.decoder.decode_step.compile_seconds  # compiling left out
     counters.clear()
     generator.text_completion(["Prompts of other lengths", "and another length of output"], max_gen_len=9)
     assert counters["stats"]["unique_graphs"] == 0  # the same compiled step, not compiled again
+    assert len([r for r in caplog.records if r.name == "llama.progress"]) == 2  # and not announced again
 
 
 @pytest.mark.slow

@@ -333,20 +333,21 @@ def test_bfloat16_on_float16_copies_keeps_the_reference_results(process_group, t
 
 
 @needs_fbgemm
-def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tmp_path, capsys, monkeypatch):
+def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tmp_path, caplog, monkeypatch):
     """On the "fp16" kernel (pinned here), a float32 model loaded from a bfloat16 checkpoint runs every input
     (decode steps, prompts long or short) on float16 copies of its weights, made at load: its logits stay within
     1e-4 of Meta's float32 math and greedy decoding gives Meta's tokens; state_dict() gives the float32 weights. A
     float32 checkpoint whose weights are not bfloat16 values gets no copies (and no line saying it made them): it
     runs on `F.linear`, float16 copies being the pinned kernel."""
     monkeypatch.setenv("LLAMA_CPU_KERNEL", "fp16")
+    caplog.set_level(logging.INFO, logger="llama.cpu")
     weights = random_weights(GQA_PARAMS, seed=23)  # bfloat16, as Meta ships checkpoints
     fast = load_tiny(tmp_path / "fast", weights, torch.float32)
     layers = [m for m in fast.modules() if isinstance(m, CPULinear)]
     assert layers and all(
         set(m.kernels.values()) == {"fp16"} and (m.fused or m).packed["fp16"][1] is not None for m in layers
     )
-    assert "Made float16 copies of the weights" in capsys.readouterr().out
+    assert "Made float16 copies of the weights" in caplog.text
     # The copy is what runs: a weight below 2**-17 comes out as float16 holds it.
     wo = copy.deepcopy(fast.layers[0].attention.wo)
     tiny = torch.tensor(1e-7).bfloat16().float()
@@ -372,11 +373,11 @@ def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tm
 
     generator = torch.Generator().manual_seed(24)
     trained = {k: v.float() + 1e-3 * torch.randn(v.shape, generator=generator) for k, v in weights.items()}
-    capsys.readouterr()
+    caplog.clear()
     full_precision = load_tiny(tmp_path / "float32 values", trained, torch.float32)
     layers = [m for m in full_precision.modules() if isinstance(m, CPULinear)]
     assert not any((m.fused or m).packed for m in layers)  # F.linear where the pinned kernel cannot run
-    assert "float16 copies" not in capsys.readouterr().out
+    assert "float16 copies" not in caplog.text
     expected = reference_model(tmp_path / "float32 reference", trained, torch.float32)(tokens, 0)
     assert (incremental_logits(full_precision, tokens, [24] + [1] * 8) - expected).abs().max() < ATOL
 

@@ -2,8 +2,12 @@
 flipped, no replaced sys.stdout. Other threads and other code in the same process see no change."""
 
 import io
+import os
+import re
+import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -14,6 +18,12 @@ import llama.distributed
 from llama import Llama
 from llama.checkpoint import AllocateOnMeta
 from llama.model import ModelArgs, Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def quiet_env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
 def test_building_on_the_meta_device_leaves_other_threads_alone(process_group):
@@ -50,19 +60,39 @@ def test_decoding_never_flips_global_backend_flags(tiny_checkpoint, tokenizer_pa
     assert calls == []
 
 
-def test_only_the_first_process_prints_and_stdout_stays(tiny_checkpoint, tokenizer_path, process_group, monkeypatch):
+def test_no_process_prints_and_stdout_stays(tiny_checkpoint, tokenizer_path, process_group, monkeypatch):
+    """The library says nothing on stdout, on any rank: what was loaded is `load_report`, for the caller to show."""
     stdout = sys.stdout
-    printed = {}
     for rank in (1, 0):  # as torchrun's global ranks; the model-parallel rank stays 0
         monkeypatch.setattr(llama.distributed, "global_rank", lambda rank=rank: rank)
         monkeypatch.setattr(llama.checkpoint.load, "global_rank", lambda rank=rank: rank)
         monkeypatch.setattr(llama.cpu.layers, "global_rank", lambda rank=rank: rank)  # its float16 copies' line
         captured = io.StringIO()
         monkeypatch.setattr(sys, "stdout", captured)
-        Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=16, max_batch_size=1, device="cpu")
+        generator = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=16, max_batch_size=1, device="cpu")
         assert sys.stdout is captured  # not replaced by the library
-        printed[rank] = captured.getvalue()
+        assert captured.getvalue() == ""
     monkeypatch.undo()
     assert sys.stdout is stdout
-    assert printed[1] == ""
-    assert printed[0].startswith("Loaded in ") and printed[0].endswith(" seconds\n")
+    report = str(generator.load_report)
+    assert re.fullmatch(
+        r"Loaded in \d+\.\d\d seconds: Meta checkpoint, device cpu, dtype float32, not quantized, "
+        r"model-parallel size 1",
+        report,
+    ), report
+
+
+def test_fairscale_says_nothing_on_stdout_from_the_python_api(tiny_checkpoint, tokenizer_path):
+    """fairscale prints "> initializing model parallel ..." when its groups are made: in a fresh process, where
+    `Llama.build` makes them, nothing reaches stdout, and the lines are log records for whoever asks."""
+    script = (
+        "import logging, sys; from llama import Llama\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+        f"Llama.build({str(tiny_checkpoint)!r}, {tokenizer_path!r}, max_seq_len=16, max_batch_size=1, device='cpu')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300, env=quiet_env()
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == ""
+    assert "initializing model parallel with size 1" in result.stderr  # through logging, at INFO

@@ -910,6 +910,8 @@ class StandInGenerator:
     """Answers each `chat_completion` with the next of `answers` (what the model would write, special tokens
     included), read as `Llama.chat_completion` reads it; keeps every prompt it was given."""
 
+    load_report = "Loaded in 0.01 seconds: a stand-in"  # what `Llama.build` would report
+
     def __init__(self, tokenizer, answers, tool_prompt_format="json"):
         self.tokenizer = tokenizer
         self.formatter = ChatFormat(tokenizer, tool_prompt_format=tool_prompt_format)
@@ -1018,7 +1020,10 @@ def test_example_round_trip(example, tok, monkeypatch, capsys, tool_format):
     monkeypatch.setattr(example.Llama, "build", staticmethod(lambda **kwargs: generator))
     example.main("unused", question="What is 1234 * 5678?", tool_format=tool_format)
     out = capsys.readouterr().out
-    assert out.startswith("User: What is 1234 * 5678?\n\n> Assistant calls calculator(expression='1234 * 5678')\n")
+    assert out.startswith(
+        "Loaded in 0.01 seconds: a stand-in\nUser: What is 1234 * 5678?\n\n"
+        "> Assistant calls calculator(expression='1234 * 5678')\n"
+    )
     assert "  Tool result: 7006652\n" in out
     assert out.endswith("> Assistant: It is 7006652.\n")
     assert generator.formatter.tool_prompt_format == tool_format  # the calls went back in the form offered

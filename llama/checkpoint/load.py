@@ -26,8 +26,9 @@ from llama.checkpoint.params import (
 )
 from llama.checkpoint.shards import CheckpointReader, check_model_parallel_size, rank_weights
 from llama.cuda_graphs import decode_step_bytes
-from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
+from llama.distributed import free_memory, init_model_parallel, resolve_device, resolve_dtype
 from llama.model import ModelArgs, Transformer
+from llama.progress import LoadReport
 from llama.quantize import (
     check_device,
     check_scheme,
@@ -166,10 +167,10 @@ def load_checkpoint(
     version: Optional[str],
     timeout: timedelta,
     quantize: Optional[str] = None,
-) -> Tuple[Transformer, Tokenizer]:
+) -> Tuple[Transformer, Tokenizer, LoadReport]:
     """The load sequence of `Llama.build` (see its docstring for the arguments): check the arguments against the
     checkpoint, join the process group, seed, read the tokenizer and this rank's weights (quantized, if asked, with
-    the int8 products' kernels chosen)."""
+    the int8 products' kernels chosen). The report says what was chosen, and how long this took."""
     if tokenizer_path is not None and not isinstance(tokenizer_path, (str, os.PathLike)):
         raise ValueError(
             f"tokenizer_path must be the path of a tokenizer.model file or None, got {short_repr(tokenizer_path)}"
@@ -203,7 +204,6 @@ def load_checkpoint(
 
     start_time = time.time()
     model_parallel_size = init_model_parallel(device, model_parallel_size, timeout)
-    first_process = global_rank() == 0
     torch.manual_seed(seed)  # the same in all processes: they must sample the same tokens
     logger.info("Loading a %s checkpoint from %s", "Meta" if reader.format == "meta" else "Hugging Face", ckpt_dir)
     if ignored:
@@ -223,9 +223,10 @@ def load_checkpoint(
     model = load_model(reader, model_args, mp_rank, model_parallel_size, device, dtype, quantize)
     if quantize is not None:
         choose_int8_kernels(model)  # on a GPU, the faster int8 product for each shape (int4 may keep int8 layers)
-    if first_process:  # the reference prints this line; other processes load the same way, silently
-        print(f"Loaded in {time.time() - start_time:.2f} seconds")
-    return model, tokenizer
+    report = LoadReport(
+        reader.format, device, dtype, quantize, bool(saved), model_parallel_size, time.time() - start_time
+    )
+    return model, tokenizer, report
 
 
 def check_quantize_matches(quantize: Optional[str], saved_scheme: str, ckpt_dir) -> None:
@@ -250,5 +251,5 @@ def check_kv_cache_fits(args: ModelArgs, mp_size: int, device: torch.device, dty
         raise ValueError(
             f"{what} for max_seq_len={args.max_seq_len} and max_batch_size={args.max_batch_size} needs "
             f"{needed / 2**30:.1f} GiB on {device}, which has {free / 2**30:.1f} GiB free; lower max_batch_size or "
-            "max_seq_len (--max_batch_size, --max_seq_len in the examples)"
+            "max_seq_len"
         )

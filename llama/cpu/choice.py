@@ -253,7 +253,7 @@ def speed_up_for_cpu(model: nn.Module) -> None:
 
     Kernels that run on a second copy of the weights (float16 for fbgemm, oneDNN's blocked layout) are candidates
     only when that copy, 2 bytes a weight, fits in half the memory the system has available now. Float16 copies
-    are made here (`Llama.build` prints how long it took), oneDNN's at a weight's first input of the rows they
+    are made here (logged with how long it took), oneDNN's at a weight's first input of the rows they
     were chosen for. In bfloat16 where oneDNN has no bfloat16 kernels (AVX2), one new position attends through
     `one_position_attention`.
     """

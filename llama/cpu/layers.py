@@ -1,6 +1,7 @@
 """The CPU's linear layers: `CPULinear` runs each row count on the kernel chosen for it, `FusedProduct` runs
 products of one input (wq, wk, wv; w1, w3) as one on float16 copies."""
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
@@ -24,6 +25,8 @@ from llama.cpu.kernels import (
 )
 from llama.distributed import global_rank
 from llama.parallel_layers import ParallelLinear, layers_of_kind
+
+logger = logging.getLogger(__name__)
 
 
 class CPULinear(ParallelLinear):
@@ -187,4 +190,4 @@ def make_fp16_copies(model: nn.Module) -> None:
     seconds = time.perf_counter() - start
     if global_rank() == 0 and made:
         kept = f" ({len(copies) - made} of {len(copies)} not: float16 cannot hold them)" if made < len(copies) else ""
-        print(f"Made float16 copies of the weights for this CPU's kernels{kept} in {seconds:.2f} seconds")
+        logger.info("Made float16 copies of the weights for this CPU's kernels%s in %.2f seconds", kept, seconds)

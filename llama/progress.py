@@ -1,0 +1,115 @@
+"""What the library tells a person who waits: the summary of a load, a progress bar while weights are read, a
+notice while a compiled step compiles, and the speed of a generation.
+
+Nothing here prints to stdout. Notices go through the `llama.progress` logger (the `llama` command and the example
+scripts show its INFO records on stderr; a program using the library sees them only if it asks, through `logging`),
+and the bar is drawn on stderr, by rank 0 only, and only when stderr is a terminal.
+"""
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Optional, TypeVar
+
+import torch
+
+logger = logging.getLogger("llama.progress")
+
+T = TypeVar("T")
+
+BAR_DELAY = 1.0  # seconds a load runs before its bar appears: a quick load draws none
+
+
+@dataclass
+class LoadReport:
+    """What `Llama.build` chose and loaded, and how long it took; its text is the line shown after loading."""
+
+    format: str  # "meta" or "hf"
+    device: torch.device
+    dtype: torch.dtype
+    quantization: Optional[str]  # "int8", "int4" or None
+    stored_quantized: bool  # the checkpoint holds quantized weights (`python -m llama.convert quantize`)
+    model_parallel_size: int
+    seconds: float
+
+    def __str__(self) -> str:
+        layout = {"meta": "Meta", "hf": "Hugging Face"}.get(self.format, self.format)
+        if self.quantization is None:
+            quantized = "not quantized"
+        else:
+            quantized = f"{self.quantization} ({'stored' if self.stored_quantized else 'quantized at load'})"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"Loaded in {self.seconds:.2f} seconds: {layout} checkpoint, device {self.device}, dtype {dtype}, "
+            f"{quantized}, model-parallel size {self.model_parallel_size}"
+        )
+
+
+def weights_bar(items: Iterable[T], total: int, rank: int, what: str = "Loading weights") -> Iterator[T]:
+    """`items` as they come, with a tqdm bar on stderr once they take more than BAR_DELAY seconds, on rank 0 and
+    where stderr is a terminal (a log file or a pipe gets no bar)."""
+    if rank != 0 or not sys.stderr.isatty():
+        yield from items
+        return
+    from tqdm import tqdm  # only where a bar can be drawn
+
+    with tqdm(items, total=total, desc=what, unit="tensor", delay=BAR_DELAY, leave=False, file=sys.stderr) as bar:
+        yield from bar
+
+
+class AnnouncedCompiles:
+    """A compiled decode step that says, before each batch size's first call (when torch.compile compiles it),
+    that it is compiling, and keeps the seconds those calls took (`compile_seconds`), so that a speed can leave
+    them out."""
+
+    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.step = step
+        self.compiled_batch_sizes = set()
+        self.compile_seconds = 0.0
+
+    def __call__(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        bsz = tokens.shape[0]
+        if bsz in self.compiled_batch_sizes:
+            return self.step(tokens, position)
+        logger.info("Compiling the decode step for batch size %d (once per batch size; can take a minute)...", bsz)
+        start = time.perf_counter()
+        logits = self.step(tokens, position)
+        seconds = time.perf_counter() - start
+        self.compiled_batch_sizes.add(bsz)
+        self.compile_seconds += seconds
+        logger.info("Compiled the decode step for batch size %d in %.1f s", bsz, seconds)
+        return logits
+
+
+def compile_seconds(step) -> float:
+    """Seconds `step` (a decoder's decode step, or None) has spent compiling so far."""
+    return getattr(step, "compile_seconds", 0.0)
+
+
+@dataclass
+class Speed:
+    """New tokens generated and the seconds that took, compiling left out."""
+
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    def __str__(self) -> str:
+        return f"[{self.tokens} tokens in {self.seconds:.1f} s, {self.tokens_per_second:.1f} tokens/s]"
+
+
+class Stopwatch:
+    """Times a generation through `decoder` (a `BatchDecoder`), leaving out what its decode step spends compiling."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.start = time.perf_counter()
+        self.compiled_before = compile_seconds(decoder.decode_step)
+
+    def speed(self, tokens: int) -> Speed:
+        compiling = compile_seconds(self.decoder.decode_step) - self.compiled_before
+        return Speed(tokens, time.perf_counter() - self.start - compiling)

@@ -1,0 +1,383 @@
+"""The `llama` command as a new user meets it, run as a real process (`python -m llama`, which is what the installed
+`llama` script runs): its help and version, each subcommand's flags, mistakes reported before anything loads, the
+text it streams, and the chat on pipes and on a pseudo-terminal (line editing, history, Ctrl-C)."""
+
+import inspect
+import json
+import os
+import pty
+import re
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Tuple
+from unittest import mock
+
+import pytest
+
+import llama
+import llama.commands
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE_ONLY = {"ckpt_dir", "interactive", "cuda_graphs"}  # the example's; `llama` has CKPT_DIR, --nocuda_graphs
+
+
+def env(**extra) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+
+
+def llama_command(*args, input=None, timeout=300, **extra_env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "llama", *map(str, args)],
+        cwd=ROOT, input=input, capture_output=True, text=True, timeout=timeout, env=env(**extra_env),
+    )  # fmt: skip
+
+
+def example(script, *args, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, script, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env()
+    )
+
+
+def example_flags(script: str) -> set:
+    main = runpy.run_path(str(ROOT / script))["main"]
+    return set(inspect.signature(main).parameters)
+
+
+def shown_flags(help_text: str) -> set:
+    return set(re.findall(r"--(\w+)", help_text))
+
+
+@pytest.fixture(scope="module")
+def unloadable_checkpoint(tmp_path_factory, tiny_checkpoint):
+    """The tiny checkpoint's params.json beside a weight file that cannot load: a run that reaches the weights fails
+    naming that file, so a run that fails otherwise checked its flags before loading."""
+    folder = tmp_path_factory.mktemp("unloadable")
+    (folder / "params.json").write_text((tiny_checkpoint / "params.json").read_text())
+    (folder / "consolidated.00.pth").write_bytes(b"not a checkpoint")
+    return folder
+
+
+# Help, version and routing -----------------------------------------------------------------------------------------
+
+
+def test_version_is_the_package_version_and_the_installed_one(monkeypatch):
+    monkeypatch.chdir(ROOT)  # setup.py reads requirements.txt from the folder it runs in
+    result = llama_command("--version")
+    assert (result.returncode, result.stdout) == (0, f"llama {llama.__version__}\n")
+    with mock.patch("setuptools.setup") as setup:  # what `pip install` would record as the version
+        runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
+    assert setup.call_args.kwargs["version"] == llama.__version__
+
+
+def test_the_console_script_is_declared_and_runs_the_same_main(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with mock.patch("setuptools.setup") as setup:
+        runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
+    scripts = setup.call_args.kwargs["entry_points"]["console_scripts"]
+    assert scripts == ["llama = llama.commands:main"]
+    module, function = scripts[0].split(" = ")[1].split(":")
+    main = getattr(__import__(module, fromlist=[function]), function)
+    assert main is llama.commands.main
+    assert runpy.run_path(str(ROOT / "llama" / "__main__.py"))["main"] is main  # python -m llama
+
+
+def test_the_modules_that_did_nothing_run_the_command():
+    """`python -m llama.chat` and `python -m llama.cli` once exited 0 doing nothing."""
+    assert llama_command("-h").stdout == (
+        subprocess.run([sys.executable, "-m", "llama.cli", "-h"], cwd=ROOT, capture_output=True, text=True).stdout
+    )
+    chat = subprocess.run([sys.executable, "-m", "llama.chat", "-h"], cwd=ROOT, capture_output=True, text=True)
+    assert chat.returncode == 0 and chat.stdout.startswith("usage: llama chat ")
+
+
+def test_help_lists_every_command():
+    result = llama_command("-h")
+    assert result.returncode == 0 and result.stdout.startswith("usage: llama ")
+    for command in ("chat", "complete", "serve", "convert", "demo"):
+        assert re.search(rf"^\s+{command}\s+\w", result.stdout, re.MULTILINE), command
+
+
+@pytest.mark.parametrize(
+    "command, script", [("chat", "example_chat_completion.py"), ("complete", "example_text_completion.py")]
+)
+def test_chat_and_complete_take_the_examples_flags(command, script):
+    result = llama_command(command, "-h")
+    assert result.returncode == 0 and result.stdout.startswith(f"usage: llama {command} ")
+    flags = shown_flags(result.stdout)
+    assert example_flags(script) - EXAMPLE_ONLY <= flags
+    assert {"seed", "verbose", "nocuda_graphs"} <= flags
+
+
+def test_serve_convert_and_demo_are_their_own_command_lines():
+    for command in ("convert", "demo"):
+        result = llama_command(command, "-h")
+        assert result.returncode == 0 and result.stdout.startswith(f"usage: llama {command} "), result.stderr
+    serve = llama_command("serve", "-h")
+    if (ROOT / "llama" / "serve.py").exists():
+        assert serve.returncode == 0 and "usage:" in serve.stdout, serve.stderr
+    else:  # not in this installation: said in one line
+        assert (serve.returncode, serve.stdout) == (2, "")
+        assert serve.stderr == "error: `llama serve` is not available in this installation (llama.serve is missing)\n"
+
+
+# Mistakes, reported before anything loads ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["no/such/folder", "Hi"], "error: Checkpoint directory no/such/folder does not exist\n"),
+        (["x", "Hi", "--temperature", "-1"],
+         "error: --temperature must be a finite number >= 0 (0 means greedy), got -1.0\n"),
+        (["x", "Hi", "--top_p", "2"], "error: --top_p must be a number in (0, 1], got 2.0\n"),
+    ],
+)  # fmt: skip
+def test_a_mistake_is_one_line_naming_the_flag(args, message):
+    result = llama_command("complete", *args)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", message)
+
+
+def test_a_bad_choice_or_a_mistyped_flag_is_refused_with_usage():
+    result = llama_command("chat", "x", "--quantize", "int9")
+    assert result.returncode == 2
+    assert "argument --quantize: invalid choice: 'int9'" in result.stderr and "Traceback" not in result.stderr
+    result = llama_command("chat", "x", "--max_sequence_len", "64")
+    assert result.returncode == 2 and result.stderr.startswith("usage: llama chat ")  # the command's usage
+    assert result.stderr.endswith(
+        "llama chat: error: unrecognized arguments: --max_sequence_len 64 (did you mean --max_seq_len?)\n"
+    )
+
+
+def test_flags_may_be_spelt_with_dashes():
+    result = llama_command("complete", "no/such/folder", "Hi", "--max-seq-len", "64", "--top-p=2")
+    assert (result.returncode, result.stderr) == (2, "error: --top_p must be a number in (0, 1], got 2.0\n")
+    for command in ("chat", "complete"):  # every flag shown is one the dashes and the error messages know
+        shown = shown_flags(llama_command(command, "-h").stdout) - {"help"}
+        assert shown <= set(llama.commands.FLAGS), shown - set(llama.commands.FLAGS)
+
+
+def test_a_prompt_too_long_is_refused_before_the_weights_load(unloadable_checkpoint, tokenizer_path):
+    result = llama_command(
+        "complete", unloadable_checkpoint, "one two three four five", "--tokenizer_path", tokenizer_path,
+        "--max_seq_len", "4",
+    )  # fmt: skip
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == "error: The prompt is 6 tokens long, longer than --max_seq_len=4; raise --max_seq_len\n"
+
+
+def test_an_empty_prompt_on_stdin_is_refused(unloadable_checkpoint):
+    result = llama_command("complete", unloadable_checkpoint, input="")
+    assert (result.returncode, result.stderr) == (2, "error: The prompt is empty; give it as an argument or on stdin\n")
+
+
+# Generating ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_complete_streams_only_the_new_text_to_stdout(tiny_checkpoint, tokenizer_path, tiny_llama):
+    prompt = "The capital of France is"
+    expected = tiny_llama.text_completion([prompt], temperature=0, max_gen_len=8)[0]["generation"]
+    flags = ["--tokenizer_path", tokenizer_path, "--max_seq_len", "64", "--temperature", "0", "--max_gen_len", "8"]
+    for result in (
+        llama_command("complete", tiny_checkpoint, prompt, *flags),
+        llama_command("complete", tiny_checkpoint, *flags, input=prompt + "\n"),  # on stdin, as `echo` writes it
+        llama_command("complete", tiny_checkpoint, "-", *flags, input=prompt),
+    ):
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == expected + "\n"
+        lines = result.stderr.splitlines()
+        assert re.fullmatch(
+            r"Loaded in \d+\.\d\d seconds: Meta checkpoint, device cpu, dtype float32, not quantized, "
+            r"model-parallel size 1",
+            lines[0],
+        ), result.stderr
+        assert re.fullmatch(r"\[8 tokens in \d+\.\d s, \d+\.\d tokens/s\]", lines[-1]), result.stderr
+        assert "initializing" not in result.stdout + result.stderr  # fairscale's lines, unless --verbose
+
+
+@pytest.mark.slow
+def test_chat_on_pipes(tiny_checkpoint, tokenizer_path, tmp_path):
+    saved, broken = tmp_path / "dialog.json", tmp_path / "broken.json"
+    broken.write_text('[{"role": "user", "content": 3}]')
+    script = "\n".join(
+        ["/exti", "/foo bar", "/system Answer briefly.", '"""', "first line", "second line", '"""', "ab \\", "cd",
+         f"/save {saved}", f"/load {broken}", "/exit", "never read"]
+    )  # fmt: skip
+    flags = ["--tokenizer_path", tokenizer_path, "--max_seq_len", "128", "--max_gen_len", "4"]
+    result = llama_command("chat", tiny_checkpoint, *flags, input=script + "\n")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "[unknown command /exti. Did you mean /exit? The commands: /help, /reset, /system, /save" in out
+    assert "[unknown command /foo. The commands: " in out
+    assert out.count("Assistant: ") == 2  # the two messages; no command reached the model
+    assert len(re.findall(r"\[4 tokens in [\d.]+ s, [\d.]+ tokens/s\]", out)) == 2
+    dialog = json.loads(saved.read_text())
+    assert [m["role"] for m in dialog] == ["system", "user", "assistant", "user", "assistant"]
+    assert dialog[0]["content"] == "Answer briefly."
+    assert dialog[1]["content"] == "first line\nsecond line" and dialog[3]["content"] == "ab \ncd"
+    assert f"[message 0 of {broken} is not " in out and "Traceback" not in result.stderr
+    assert result.stderr.startswith("Loaded in ")
+
+
+# On a terminal ---------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def terminal(args, **extra_env):
+    """`python -m llama ARGS` on a pseudo-terminal (stdin, stdout and stderr); yields (pid, the terminal's fd)."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, *map(str, args)], env(**extra_env))
+    try:
+        yield pid, fd
+    finally:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(fd)
+
+
+def read_until(fd, pattern: bytes, timeout: float) -> bytes:
+    buffer, deadline = b"", time.time() + timeout
+    while time.time() < deadline:
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                buffer += os.read(fd, 4096)
+            except OSError:
+                break
+            if re.search(pattern, buffer):
+                return buffer
+    raise AssertionError(f"did not see {pattern!r} within {timeout} s; got {buffer[-500:]!r}")
+
+
+def wait_for_exit(pid, fd, timeout) -> Tuple[int, bytes]:
+    output, deadline = b"", time.time() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            try:
+                while select.select([fd], [], [], 0.1)[0]:
+                    output += os.read(fd, 4096)
+            except OSError:
+                pass
+            return os.waitstatus_to_exitcode(status), output
+        assert time.time() < deadline, f"still running {timeout} s later"
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                output += os.read(fd, 4096)
+            except OSError:
+                pass
+
+
+UP_ARROW = b"\x1b[A"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
+def test_the_up_arrow_recalls_earlier_messages_across_sessions_and_tab_completes(
+    tiny_checkpoint, tokenizer_path, tmp_path
+):
+    state = tmp_path / "state"
+    chat = ["-m", "llama", "chat", tiny_checkpoint, "--tokenizer_path", tokenizer_path, "--max_seq_len", "128",
+            "--max_gen_len", "3"]  # fmt: skip
+    with terminal(chat, XDG_STATE_HOME=str(state)) as (pid, fd):
+        read_until(fd, rb"User: ", 120)
+        os.write(fd, b"What is a lighthouse?\r")
+        read_until(fd, rb"tokens/s\]\r?\nUser: ", 60)
+        os.write(fd, b"/exit\r")
+        assert wait_for_exit(pid, fd, 30)[0] == 0
+    assert "What is a lighthouse?" in (state / "llama3" / "chat_history").read_text()
+
+    saved = tmp_path / "dialog.json"
+    with terminal(chat, XDG_STATE_HOME=str(state)) as (pid, fd):
+        read_until(fd, rb"User: ", 120)
+        os.write(fd, UP_ARROW + UP_ARROW)  # the last line typed was /exit, the one before it the question
+        read_until(fd, rb"What is a lighthouse\?", 10)  # redrawn on the line, not sent as ^[[A
+        os.write(fd, b"\r")
+        read_until(fd, rb"tokens/s\]\r?\nUser: ", 60)
+        os.write(fd, f"/save {saved}\r".encode())
+        read_until(fd, rb"\[saved 2 messages", 10)
+        os.write(fd, b"/ex\t\r")  # Tab completes the command
+        code, output = wait_for_exit(pid, fd, 30)
+    assert code == 0
+    assert b"^[[A" not in output
+    assert json.loads(saved.read_text())[0] == {"role": "user", "content": "What is a lighthouse?"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
+@pytest.mark.parametrize("when", ["at the prompt", "while loading"])
+def test_ctrl_c_ends_the_chat_with_one_line_and_status_130(tiny_checkpoint, tokenizer_path, tmp_path, when):
+    chat = ["-m", "llama", "chat", tiny_checkpoint, "--tokenizer_path", tokenizer_path, "--max_seq_len", "128"]
+    with terminal(chat, XDG_STATE_HOME=str(tmp_path)) as (pid, fd):
+        if when == "at the prompt":
+            read_until(fd, rb"User: ", 120)
+            # as a person would, a moment after the prompt shows: a signal in the instant before readline waits for
+            # a key is only seen at the next key (CPython's readline checks for signals when its wait is cut short)
+            time.sleep(0.5)
+        else:
+            time.sleep(1)  # importing torch, or reading the checkpoint
+        os.write(fd, b"\x03")  # Ctrl-C as typed: the terminal sends SIGINT
+        code, output = wait_for_exit(pid, fd, 30)
+    assert code == 130
+    after = output.decode(errors="replace").replace("^C", "").strip()
+    assert after.splitlines() == ["Interrupted (Ctrl-C)"], output
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
+def test_ctrl_c_ends_an_example_with_one_line_and_status_130(tiny_checkpoint, tokenizer_path):
+    command = ["example_text_completion.py", "--ckpt_dir", tiny_checkpoint, "--tokenizer_path", tokenizer_path,
+               "--max_seq_len", "2048", "--max_gen_len", "2000"]  # fmt: skip
+    with terminal(command) as (pid, fd):
+        read_until(fd, rb"Loaded in ", 120)
+        time.sleep(1)  # into the generation
+        os.write(fd, b"\x03")
+        code, output = wait_for_exit(pid, fd, 30)
+    assert code == 130
+    tail = output.decode(errors="replace").replace("^C", "").strip()
+    assert tail.splitlines()[-1:] == ["Interrupted (Ctrl-C)"] and "Traceback" not in tail, output
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
+def test_ctrl_c_under_torchrun_is_one_line_from_the_processes(tmp_path, tokenizer_path):
+    """Ctrl-C reaches torchrun and both ranks: the ranks end with one line between them and status 130, no
+    traceback each (`[rank0]: Traceback ...`). torchrun then reports the stop in its own words."""
+    from helpers import make_checkpoint
+
+    checkpoint = make_checkpoint(tmp_path / "mp2", n_shards=2, seed=4)
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    command = [*torchrun, "example_text_completion.py", "--ckpt_dir", checkpoint, "--tokenizer_path", tokenizer_path,
+               "--max_seq_len", "2048", "--max_gen_len", "2000"]  # fmt: skip
+    with terminal(command) as (pid, fd):
+        read_until(fd, rb"Loaded in ", 120)
+        time.sleep(1)  # into the generation
+        os.write(fd, b"\x03")
+        output = wait_for_exit(pid, fd, 60)[1].decode(errors="replace")
+    assert output.count("Interrupted (Ctrl-C)") == 1, output
+    assert "[rank" not in output and "KeyboardInterrupt" not in output, output
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
+def test_ctrl_c_ends_a_completion_with_its_text_then_one_line(tiny_checkpoint, tokenizer_path):
+    command = ["-m", "llama", "complete", tiny_checkpoint, "Once upon a time", "--tokenizer_path", tokenizer_path,
+               "--max_seq_len", "2048", "--max_gen_len", "2000"]  # fmt: skip
+    with terminal(command) as (pid, fd):
+        read_until(fd, rb"model-parallel size 1", 120)  # loaded: writing next
+        time.sleep(1)
+        os.write(fd, b"\x03")
+        code, output = wait_for_exit(pid, fd, 30)
+    assert code == 130
+    lines = [line for line in output.decode(errors="replace").splitlines() if line.strip()]
+    assert lines[-1] == "Interrupted (Ctrl-C)" and "Traceback" not in output.decode(errors="replace"), output
