@@ -139,10 +139,7 @@ def run_delegated(command: str, argv: List[str]) -> None:
             raise
         fail(f"`llama {command}` is not available in this installation ({module_name} is missing)")
     show_logs()
-    if command == "serve":
-        module.main(argv)
-    else:
-        module.main(argv, prog=f"{PROG} {command}")
+    module.main(argv, prog=f"{PROG} {command}")
 
 
 def load(args: argparse.Namespace, prompts: Optional[List[str]] = None):

@@ -39,8 +39,8 @@ from llama.checkpoint import (
     split_dim,
     write_meta_checkpoint,
 )
+from llama.checkpoint.report import weights_bar
 from llama.cli import ends_on_ctrl_c, user_errors
-from llama.progress import weights_bar
 from llama.quantize import (
     DEFAULT_GROUP_SIZE,
     SAVED_DTYPE,
@@ -127,7 +127,8 @@ def quantize_checkpoint(
     expected = {key: torch.Size(shape) for key, shape in shapes.items()}
     cpu = torch.device("cpu")
     # Keys and shapes checked against params.json first; a tied head comes as the embedding.
-    for index, (key, tensor) in enumerate(rank_weights(reader, expected, 0, 1, SAVED_DTYPE, cpu)):
+    weights = weights_bar(rank_weights(reader, expected, 0, 1, SAVED_DTYPE, cpu), len(expected), 0, what="Quantizing")
+    for index, (key, tensor) in enumerate(weights):
         if key in linear_keys:
             name = key.removesuffix(".weight")
             tensors.update({f"{name}.{f}": t for f, t in quantize_for_saving(tensor, scheme, group_size).items()})

@@ -3,7 +3,6 @@
 `llama.decoding`; this class ties them together.
 """
 
-import dataclasses
 import time
 from datetime import timedelta
 from typing import Dict, Iterator, List, Optional, Tuple, TypedDict, Union
@@ -11,13 +10,13 @@ from typing import Dict, Iterator, List, Optional, Tuple, TypedDict, Union
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 
-from llama.checkpoint import load_checkpoint
+from llama.checkpoint import LoadReport, load_checkpoint
 from llama.cpu import speed_up_for_cpu
 from llama.cuda_graphs import CUDAGraphDecodeStep
 from llama.decoding import BatchDecoder, StopReason, StreamChunk, checked_gen_len, compiled_decode_step
 from llama.model import Transformer
 from llama.parallel_layers import use_parallel_layers
-from llama.progress import AnnouncedCompiles, LoadReport, Speed, Stopwatch
+from llama.progress import AnnouncedCompiles, Speed, Stopwatch
 from llama.tokenizer import ChatFormat, Dialog, Message, Tokenizer
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -100,7 +99,8 @@ class Llama:
             generator.compile_decode_step()
         elif use_cuda_graphs(generator.device, fs_init.get_model_parallel_world_size(), cuda_graphs):
             generator.decoder.decode_step = CUDAGraphDecodeStep(model)
-        generator.load_report = dataclasses.replace(report, seconds=time.time() - start)
+        report.seconds = time.time() - start  # with the runtime choices' time
+        generator.load_report = report
         return generator
 
     def __init__(self, model: Transformer, tokenizer: Tokenizer):

@@ -1,61 +1,18 @@
-"""What the library tells a person who waits: the summary of a load, a progress bar while weights are read, a
-notice while a compiled step compiles, and the speed of a generation.
+"""What generation tells a person who waits: a notice while a compiled step compiles, and the speed of an answer
+(what a load tells them is `llama.checkpoint.report`'s).
 
 Nothing here prints to stdout. Notices go through the `llama.progress` logger (the `llama` command and the example
-scripts show its INFO records on stderr; a program using the library sees them only if it asks, through `logging`),
-and the bar is drawn on stderr, by rank 0 only, and only when stderr is a terminal.
+scripts show its INFO records on stderr; a program using the library sees them only if it asks, through `logging`).
 """
 
 import logging
-import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional, TypeVar
+from typing import Callable
 
 import torch
 
 logger = logging.getLogger("llama.progress")
-
-T = TypeVar("T")
-
-BAR_DELAY = 1.0  # seconds a load runs before its bar appears: a quick load draws none
-
-
-@dataclass
-class LoadReport:
-    """What `Llama.build` chose and loaded, and how long it took; its text is the line shown after loading."""
-
-    format: str  # "meta" or "hf"
-    device: torch.device
-    dtype: torch.dtype
-    quantization: Optional[str]  # "int8", "int4" or None
-    stored_quantized: bool  # the checkpoint holds quantized weights (`python -m llama.convert quantize`)
-    model_parallel_size: int
-    seconds: float
-
-    def __str__(self) -> str:
-        layout = {"meta": "Meta", "hf": "Hugging Face"}.get(self.format, self.format)
-        if self.quantization is None:
-            quantized = "not quantized"
-        else:
-            quantized = f"{self.quantization} ({'stored' if self.stored_quantized else 'quantized at load'})"
-        dtype = str(self.dtype).removeprefix("torch.")
-        return (
-            f"Loaded in {self.seconds:.2f} seconds: {layout} checkpoint, device {self.device}, dtype {dtype}, "
-            f"{quantized}, model-parallel size {self.model_parallel_size}"
-        )
-
-
-def weights_bar(items: Iterable[T], total: int, rank: int, what: str = "Loading weights") -> Iterator[T]:
-    """`items` as they come, with a tqdm bar on stderr once they take more than BAR_DELAY seconds, on rank 0 and
-    where stderr is a terminal (a log file or a pipe gets no bar)."""
-    if rank != 0 or not sys.stderr.isatty():
-        yield from items
-        return
-    from tqdm import tqdm  # only where a bar can be drawn
-
-    with tqdm(items, total=total, desc=what, unit="tensor", delay=BAR_DELAY, leave=False, file=sys.stderr) as bar:
-        yield from bar
 
 
 class AnnouncedCompiles:

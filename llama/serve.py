@@ -19,11 +19,13 @@ from llama.cli import user_errors
 INSTALL = "pip install 'llama3[serve]' (from a checkout: pip install -e '.[serve]')"
 
 
-def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+def parse_args(argv: Optional[List[str]], prog: Optional[str] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m llama.serve", description="Serve a checkpoint over OpenAI's HTTP API, with continuous batching."
+        prog=prog or "python -m llama.serve",
+        description="Serve a checkpoint over OpenAI's HTTP API, with continuous batching.",
     )
-    parser.add_argument("--ckpt_dir", required=True, help="Meta or Hugging Face checkpoint folder")
+    parser.add_argument("checkpoint", nargs="?", help="Meta or Hugging Face checkpoint folder (or --ckpt_dir)")
+    parser.add_argument("--ckpt_dir", help="the checkpoint folder, as the example scripts name it")
     parser.add_argument("--tokenizer_path", help="tokenizer.model (default: looked for in ckpt_dir)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
@@ -43,6 +45,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--model_name", help="the model's name in the API (default: ckpt_dir's folder name)")
     parser.add_argument("--drain_timeout", type=float, default=10, help="seconds to finish requests on Ctrl-C/SIGTERM")
     args = parser.parse_args(argv)
+    if (args.checkpoint is None) == (args.ckpt_dir is None):
+        parser.error("give the checkpoint folder once: as the first argument or as --ckpt_dir")
+    args.ckpt_dir = args.ckpt_dir or args.checkpoint
+    del args.checkpoint
     for name in ("max_batch_size", "max_seq_len", "prefill_chunk"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
@@ -61,9 +67,9 @@ def missing_dependencies() -> List[str]:
     return missing
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
     """Load the checkpoint and serve it until Ctrl-C or SIGTERM (`llama serve` runs this too)."""
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
     missing = missing_dependencies()
     if missing:
         print(f"error: llama.serve needs {' and '.join(missing)}: {INSTALL}", file=sys.stderr)
@@ -80,6 +86,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             args.ckpt_dir, args.tokenizer_path, args.max_seq_len, args.max_batch_size,
             device=args.device, dtype=args.dtype, compile=args.compile, quantize=args.quantize,
         )  # fmt: skip
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(generator.load_report, file=sys.stderr, flush=True)
     channel = PlanChannel() if dist.is_initialized() and dist.get_world_size() > 1 else None
     decode_step = generator.decoder.decode_step  # compiled, or CUDA graphs; None: the eager step
     if channel is not None and dist.get_rank() > 0:

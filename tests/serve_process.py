@@ -1,4 +1,4 @@
-"""A `python -m llama.serve` process for the tests (tests/test_serve.py): on a free loopback port, its output in a
+"""A `llama serve` process for the tests (tests/test_serve.py): on a free loopback port, its output in a
 file, waited for until /health answers."""
 
 import os
@@ -19,13 +19,13 @@ def free_port() -> int:
 
 
 class Server:
-    """A `python -m llama.serve` process on loopback, its output in a file."""
+    """A `llama serve` process (`python -m llama serve`) on loopback, its output in a file."""
 
     def __init__(self, ckpt: Path, log: Path, *flags: str, launcher=(sys.executable, "-m")):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        command = [*launcher, "llama.serve", "--ckpt_dir", str(ckpt), "--port", str(self.port), *flags]
+        command = [*launcher, "llama", "serve", str(ckpt), "--port", str(self.port), *flags]  # `llama serve`
         root = Path(__file__).resolve().parents[1]
         env = dict(os.environ, PYTHONPATH=str(root))
         with open(log, "w") as out:

@@ -119,11 +119,10 @@ def test_serve_convert_and_demo_are_their_own_command_lines():
         result = llama_command(command, "-h")
         assert result.returncode == 0 and result.stdout.startswith(f"usage: llama {command} "), result.stderr
     serve = llama_command("serve", "-h")
-    if (ROOT / "llama" / "serve.py").exists():
-        assert serve.returncode == 0 and "usage:" in serve.stdout, serve.stderr
-    else:  # not in this installation: said in one line
-        assert (serve.returncode, serve.stdout) == (2, "")
-        assert serve.stderr == "error: `llama serve` is not available in this installation (llama.serve is missing)\n"
+    assert serve.returncode == 0 and serve.stdout.startswith("usage: llama serve "), serve.stderr
+    assert "--max_batch_size" in serve.stdout and "--api_key" in serve.stdout
+    twice = llama_command("serve", "ckpt", "--ckpt_dir", "ckpt")
+    assert twice.returncode == 2 and "give the checkpoint folder once" in twice.stderr
 
 
 # Mistakes, reported before anything loads ----------------------------------------------------------------------

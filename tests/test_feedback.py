@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import llama.progress
+import llama.checkpoint.report
 from llama import cli, demo
 from llama.checkpoint import check_kv_cache_fits
+from llama.checkpoint.report import weights_bar
 from llama.model import ModelArgs
-from llama.progress import AnnouncedCompiles, Stopwatch, weights_bar
+from llama.progress import AnnouncedCompiles, Stopwatch
 from llama.quantize import check_scheme
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ def slowly(n):
 
 
 def test_the_load_bar_shows_only_on_a_terminal_and_only_from_rank_0(monkeypatch):
-    monkeypatch.setattr(llama.progress, "BAR_DELAY", 0)
+    monkeypatch.setattr(llama.checkpoint.report, "BAR_DELAY", 0)
     for stderr, rank, drawn in [(Terminal(), 0, True), (io.StringIO(), 0, False), (Terminal(), 1, False)]:
         monkeypatch.setattr(sys, "stderr", stderr)
         assert list(weights_bar(slowly(5), 5, rank)) == list(range(5))  # the items pass through unchanged
@@ -71,7 +72,7 @@ def test_compiling_is_announced_once_per_batch_size_and_left_out_of_the_speed(ca
 
 
 def test_the_kv_cache_message_names_each_setting_once(monkeypatch, capsys):
-    monkeypatch.setattr("llama.checkpoint.free_memory", lambda device: 1024)
+    monkeypatch.setattr("llama.checkpoint.load.free_memory", lambda device: 1024)
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=512, max_batch_size=4)
     with pytest.raises(ValueError, match=r"lower max_batch_size or max_seq_len$"):
         check_kv_cache_fits(args, 1, torch.device("cpu"), torch.float32)

@@ -1,7 +1,8 @@
 """Checkpoint I/O, one concern a module: `params` (params.json and config.json as read), `shards` (how model
 parallelism splits the tensors, each rank's share), `meta` and `hf` (the two folder formats, read through one
-`CheckpointReader`), `load` (the load sequence of `Llama.build`) and `write` (Meta checkpoints written). The names
-below are the ones the rest of the package, the tools and the tests use.
+`CheckpointReader`), `load` (the load sequence of `Llama.build`), `report` (what a load tells the person waiting)
+and `write` (Meta checkpoints written). The names below are the ones the rest of the package, the tools and the
+tests use.
 """
 
 from llama.checkpoint.hf import (
@@ -32,6 +33,7 @@ from llama.checkpoint.params import (
     read_json,
     saved_quantization,
 )
+from llama.checkpoint.report import LoadReport, weights_bar
 from llama.checkpoint.shards import (
     LINEAR_LAYERS,
     CheckpointReader,
@@ -49,6 +51,7 @@ __all__ = [
     "HF_CONFIG_FIELDS",
     "HuggingFaceCheckpoint",
     "LINEAR_LAYERS",
+    "LoadReport",
     "META_PARAMS",
     "MetaCheckpoint",
     "PARAMS_FIELDS",
@@ -75,5 +78,6 @@ __all__ = [
     "save_shard",
     "saved_quantization",
     "split_dim",
+    "weights_bar",
     "write_meta_checkpoint",
 ]

@@ -24,11 +24,11 @@ from llama.checkpoint.params import (
     model_args_from,
     saved_quantization,
 )
+from llama.checkpoint.report import LoadReport, weights_bar
 from llama.checkpoint.shards import CheckpointReader, check_model_parallel_size, rank_weights
 from llama.cuda_graphs import decode_step_bytes
-from llama.distributed import free_memory, init_model_parallel, resolve_device, resolve_dtype
+from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
 from llama.model import ModelArgs, Transformer
-from llama.progress import LoadReport
 from llama.quantize import (
     check_device,
     check_scheme,
@@ -101,6 +101,7 @@ def load_model(
     dtype: torch.dtype,
     quantize: Optional[str] = None,
     group_size: Optional[int] = None,
+    bar_rank: Optional[int] = None,
 ) -> Transformer:
     """The Transformer with this rank's weights, as Meta's code builds it (fairscale's layers), without a throwaway
     random initialisation: built on the meta device, then given the checkpoint's tensors, strictly.
@@ -125,7 +126,8 @@ def load_model(
             stored[name] = saved_shapes(*whole_shape(layer), isinstance(layer, RowParallelLinear), *saved, mp_size)
         expected_shapes = with_quantized_shapes(expected_shapes, stored)
     weights, parts = {}, {}
-    for key, tensor in rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device):
+    weights_read = rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device)
+    for key, tensor in weights_bar(weights_read, len(expected_shapes), bar_rank):
         name, _, field = key.rpartition(".")
         if name in stored and saved:  # a layer is built once all its stored tensors are read
             parts.setdefault(name, {})[field] = tensor
@@ -204,6 +206,7 @@ def load_checkpoint(
 
     start_time = time.time()
     model_parallel_size = init_model_parallel(device, model_parallel_size, timeout)
+    rank = global_rank()  # its weights bar: rank 0's
     torch.manual_seed(seed)  # the same in all processes: they must sample the same tokens
     logger.info("Loading a %s checkpoint from %s", "Meta" if reader.format == "meta" else "Hugging Face", ckpt_dir)
     if ignored:
@@ -220,7 +223,7 @@ def load_checkpoint(
             f"({tokenizer.n_words} tokens in {tokenizer_path}); use the tokenizer.model that came with it"
         )
     mp_rank = fs_init.get_model_parallel_rank()
-    model = load_model(reader, model_args, mp_rank, model_parallel_size, device, dtype, quantize)
+    model = load_model(reader, model_args, mp_rank, model_parallel_size, device, dtype, quantize, bar_rank=rank)
     if quantize is not None:
         choose_int8_kernels(model)  # on a GPU, the faster int8 product for each shape (int4 may keep int8 layers)
     report = LoadReport(

@@ -10,9 +10,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from llama.distributed import global_rank
 from llama.model import ModelArgs
-from llama.progress import weights_bar
 
 # fairscale's layout: column-parallel layers (and the vocab-parallel embedding) split their weight along
 # dim 0, row-parallel layers along dim 1; everything else (the norms) is replicated on every rank.
@@ -120,7 +118,7 @@ def rank_weights(
         if not (key == "output.weight" and tied):
             check_stored_dtype(key, reader, expected_shapes)
     embedding = None
-    for key in weights_bar(expected_shapes, len(expected_shapes), global_rank()):
+    for key in expected_shapes:
         if key == "output.weight" and tied:
             yield key, embedding  # the embedding, loaded under its own name
             continue
