@@ -62,17 +62,18 @@ def last_level_cache_bytes() -> int:
 def time_kernels(runs: Dict[str, Callable[[], object]], flush: Optional[Callable[[], object]]) -> Dict[str, float]:
     """Each kernel's best time in seconds over `TIMED_ROUNDS` rounds, after a warm-up round (where oneDNN builds
     its primitives and mapped weights are read in). The kernels take turns within a round, so that a slow spell
-    of a shared machine falls on all of them; before each call `flush` (if any) evicts the caches, since in a
-    decode step each weight comes from memory, the rest of the model having been read since. A kernel more than
-    twice as slow as the best after a round is not timed again."""
+    of a shared machine falls on all of them. Each round starts with `flush` (if any), which evicts the caches,
+    since in a decode step each weight comes from memory, the rest of the model having been read since; each
+    kernel runs on its own copy of the weights, so one kernel's call does not bring the next one's weights into
+    the cache. A kernel more than twice as slow as the best after a round is not timed again."""
     for run in runs.values():
         run()
     best = dict.fromkeys(runs, math.inf)
     timed = list(runs)
     for _ in range(TIMED_ROUNDS):
+        if flush is not None:
+            flush()
         for kernel in timed:
-            if flush is not None:
-                flush()
             start = time.perf_counter()
             runs[kernel]()
             best[kernel] = min(best[kernel], time.perf_counter() - start)
@@ -166,36 +167,52 @@ def row_counts(max_batch_size: int) -> List[int]:
     return [1] + ([max_batch_size] if 1 < max_batch_size < PROMPT_ROWS else []) + [PROMPT_ROWS]
 
 
-def weight_sample(layers: List[CPULinear], max_values: int) -> List[torch.Tensor]:
-    """Each layer's weight, or where the product holds more than `max_values` weights, its first rows, in
-    proportion."""
+def weight_sample(layers: List[CPULinear], max_values: int, part: int = 0) -> Optional[List[torch.Tensor]]:
+    """Each layer's weight, or where the product holds more than `max_values` weights, rows of it in proportion:
+    the `part`-th such share of its rows (0: the first rows), or None where the weights have no such part."""
     total = sum(layer.weight.numel() for layer in layers)
     if total <= max_values:
-        return [layer.weight.detach() for layer in layers]
-    return [layer.weight.detach()[: max(1, layer.weight.shape[0] * max_values // total)] for layer in layers]
+        return [layer.weight.detach() for layer in layers] if part == 0 else None
+    shares = [max(1, layer.weight.shape[0] * max_values // total) for layer in layers]
+    if any((part + 1) * share > layer.weight.shape[0] for share, layer in zip(shares, layers)):
+        return None
+    return [layer.weight.detach()[part * share : (part + 1) * share] for share, layer in zip(shares, layers)]
 
 
-def measure(layers: List[CPULinear], rows: int, candidates: List[str], flush) -> Dict[str, float]:
+def sample_copy(kernel: str, layers: List[CPULinear], max_values: int, part: int) -> Optional[List[torch.Tensor]]:
+    """The weights `kernel` runs on in a measurement, in memory of its own (see `time_kernels`): the stacked float16
+    copy of the sample for "fp16" (None where float16 cannot hold it), a copy in oneDNN's layout for "onednn" in
+    bfloat16; else the weights' `part`-th sample as they are, or a copy of the first where they have no such part."""
+    weights = weight_sample(layers, max_values)
+    if kernel == "fp16":
+        copy = pack_as_fp16(*weights)
+        return None if copy is None else [copy]
+    if kernel == "onednn" and weights[0].dtype != torch.float32:
+        return [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in weights]
+    return weight_sample(layers, max_values, part) or [weight.clone() for weight in weights]
+
+
+def measure(
+    layers: List[CPULinear], rows: int, candidates: List[str], flush, copies: Optional[dict] = None
+) -> Dict[str, float]:
     """The best seconds of each candidate kernel for `rows` rows through the product of `layers` (`time_kernels`),
-    on a sample of its weights (`weight_sample`), with the copies the kernels need made of the sample alone. One
-    row and the batch are timed with the caches flushed before each call (as a decode step meets its weights);
-    a prompt, bound by arithmetic, without."""
+    on a sample of its weights (`weight_sample`), each kernel on weights in memory of its own (`sample_copy`), kept
+    in `copies` for the product's other row counts. One row and the batch are timed with the caches flushed
+    before each round (as a decode step meets its weights); a prompt, bound by arithmetic, without."""
     decode = rows < PROMPT_ROWS
-    weights = weight_sample(layers, DECODE_SAMPLE_VALUES if decode else PROMPT_SAMPLE_VALUES)
-    x = torch.randn(rows, weights[0].shape[1], generator=torch.Generator().manual_seed(0)).to(weights[0].dtype)
+    sample_values = DECODE_SAMPLE_VALUES if decode else PROMPT_SAMPLE_VALUES
+    copies = {} if copies is None else copies
+    x = torch.randn(rows, layers[0].weight.shape[1], generator=torch.Generator().manual_seed(0))
+    x = x.to(layers[0].weight.dtype)
     runs = {}
-    for kernel in candidates:
-        if kernel == "fp16":  # one product of the stacked weights, as a fused group runs
-            copy = pack_as_fp16(*weights)
-            if copy is not None:
-                runs[kernel] = lambda copy=copy: fp16_linear(x, copy)
-            continue
-        packed = [None] * len(weights)
-        if kernel == "onednn" and weights[0].dtype != torch.float32:
-            packed = [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in weights]
-        runs[kernel] = lambda kernel=kernel, packed=packed: [
-            run_kernel(kernel, x, weight, copy) for weight, copy in zip(weights, packed)
-        ]
+    for part, kernel in enumerate(candidates):
+        if (kernel, sample_values) not in copies:
+            copies[kernel, sample_values] = sample_copy(kernel, layers, sample_values, part)
+        copy = copies[kernel, sample_values]
+        if kernel == "fp16" and copy is not None:  # one product of the stacked weights, as a fused group runs
+            runs[kernel] = lambda packed=copy[0]: fp16_linear(x, packed)
+        elif copy is not None:
+            runs[kernel] = lambda kernel=kernel, copy=copy: [run_kernel(kernel, x, weight, None) for weight in copy]
     return time_kernels(runs, flush if decode else None)
 
 
@@ -214,6 +231,7 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
             if name not in chosen:
                 fp16_holds = all(holds_bfloat16_values(layer.weight) for layer in layers)
                 chosen[name] = {}
+                measured_copies = {}  # each kernel's copy of the sample, shared by the product's row counts
                 for rows in counts:
                     candidates = candidate_kernels(layers[0].weight.dtype, rows, fp16_holds, copies)
                     key = cache.key(name, rows, candidates)
@@ -227,7 +245,7 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
                     else:
                         if flush_buffer is None:
                             flush_buffer = torch.ones(last_level_cache_bytes() // 4)
-                        times = measure(layers, rows, candidates, flush_buffer.sum)
+                        times = measure(layers, rows, candidates, flush_buffer.sum, measured_copies)
                         kernel = min(times, key=times.get)
                         cache.put(key, kernel)
                         how = "measured: " + ", ".join(
