@@ -316,6 +316,8 @@ def test_the_up_arrow_recalls_earlier_messages_across_sessions_and_tab_completes
 @pytest.mark.parametrize("when", ["at the prompt", "while loading"])
 def test_ctrl_c_ends_the_chat_with_one_line_and_status_130(tiny_checkpoint, tokenizer_path, tmp_path, when):
     chat = ["-m", "llama", "chat", tiny_checkpoint, "--tokenizer_path", tokenizer_path, "--max_seq_len", "128"]
+    if when == "while loading":
+        chat.append("--verbose")  # the log says when the checkpoint starts to load
     with terminal(chat, XDG_STATE_HOME=str(tmp_path)) as (pid, fd):
         if when == "at the prompt":
             read_until(fd, rb"User: ", 120)
@@ -323,12 +325,16 @@ def test_ctrl_c_ends_the_chat_with_one_line_and_status_130(tiny_checkpoint, toke
             # a key is only seen at the next key (CPython's readline checks for signals when its wait is cut short)
             time.sleep(0.5)
         else:
-            time.sleep(1)  # importing torch, or reading the checkpoint
+            read_until(fd, rb"Loading a Meta checkpoint", 120)
         os.write(fd, b"\x03")  # Ctrl-C as typed: the terminal sends SIGINT
         code, output = wait_for_exit(pid, fd, 30)
     assert code == 130
     after = output.decode(errors="replace").replace("^C", "").strip()
-    assert after.splitlines() == ["Interrupted (Ctrl-C)"], output
+    if when == "at the prompt":
+        assert after.splitlines() == ["Interrupted (Ctrl-C)"], output
+    else:  # after the log lines of the load so far
+        assert after.splitlines()[-1:] == ["Interrupted (Ctrl-C)"] and "Traceback" not in after, output
+        assert "User: " not in after  # ended while loading, not at the prompt
 
 
 @pytest.mark.slow
