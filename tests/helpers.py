@@ -8,10 +8,13 @@ import importlib
 import importlib.util
 import math
 import os
+import re
+import select
+import time
 import types
 import unittest
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -217,3 +220,38 @@ class ScriptedModel(torch.nn.Module):
                 if 0 <= step < len(self.script):
                     logits[row, i, self.script[step]] = 100.0
         return logits[:, -1:] if last_logits_only else logits
+
+
+def read_until(fd, pattern: bytes, timeout: float) -> bytes:
+    """What a pseudo-terminal's `fd` shows until `pattern` appears; AssertionError if it does not within `timeout` s."""
+    buffer, deadline = b"", time.time() + timeout
+    while time.time() < deadline:
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                buffer += os.read(fd, 4096)
+            except OSError:
+                break
+            if re.search(pattern, buffer):
+                return buffer
+    raise AssertionError(f"did not see {pattern!r} within {timeout} s; got {buffer[-500:]!r}")
+
+
+def wait_for_exit(pid, fd, timeout) -> Tuple[int, bytes]:
+    """The exit code of `pid` and what it wrote on the terminal `fd` meanwhile, to its last byte; AssertionError if it
+    runs past `timeout` seconds."""
+    output, deadline = b"", time.time() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            try:
+                while select.select([fd], [], [], 0.1)[0]:
+                    output += os.read(fd, 4096)
+            except OSError:
+                pass
+            return os.waitstatus_to_exitcode(status), output
+        assert time.time() < deadline, f"still running {timeout} s later"
+        if select.select([fd], [], [], 0.2)[0]:
+            try:
+                output += os.read(fd, 4096)
+            except OSError:
+                pass

@@ -4,16 +4,14 @@ import io
 import os
 import pty
 import re
-import select
 import signal
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Tuple
 
 import pytest
+from helpers import read_until, wait_for_exit
 
 from llama.chat import ChatSession, run_chat
 
@@ -154,20 +152,6 @@ def test_ctrl_c_with_several_processes_ends_the_chat_at_once(tiny_llama, monkeyp
     assert ended.value.code == 130
 
 
-def read_until(fd, pattern, timeout):
-    buffer, deadline = b"", time.time() + timeout
-    while time.time() < deadline:
-        ready, _, _ = select.select([fd], [], [], 0.2)
-        if ready:
-            try:
-                buffer += os.read(fd, 4096)
-            except OSError:
-                break
-            if re.search(pattern, buffer):
-                return buffer
-    raise AssertionError(f"did not see {pattern!r} within {timeout} s; got {buffer[-500:]!r}")
-
-
 @contextmanager
 def in_a_terminal(command, sigint):
     """Run `command` on a pseudo-terminal, started with SIGINT set to `sigint`; yields (pid, the terminal's fd)."""
@@ -184,21 +168,6 @@ def in_a_terminal(command, sigint):
         except ProcessLookupError:
             pass
         os.close(fd)
-
-
-def wait_for_exit(pid, fd, timeout) -> Tuple[int, bytes]:
-    """The exit code of `pid` and what it wrote meanwhile; AssertionError if it runs past `timeout` seconds."""
-    output, deadline = b"", time.time() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status), output
-        assert time.time() < deadline, f"still running {timeout} s later"
-        if select.select([fd], [], [], 0.2)[0]:
-            try:
-                output += os.read(fd, 4096)
-            except OSError:
-                pass
 
 
 @pytest.mark.slow

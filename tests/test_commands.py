@@ -8,17 +8,16 @@ import os
 import pty
 import re
 import runpy
-import select
 import signal
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Tuple
 from unittest import mock
 
 import pytest
+from helpers import read_until, wait_for_exit
 
 import llama
 import llama.commands
@@ -242,38 +241,6 @@ def terminal(args, **extra_env):
         except ProcessLookupError:
             pass
         os.close(fd)
-
-
-def read_until(fd, pattern: bytes, timeout: float) -> bytes:
-    buffer, deadline = b"", time.time() + timeout
-    while time.time() < deadline:
-        if select.select([fd], [], [], 0.2)[0]:
-            try:
-                buffer += os.read(fd, 4096)
-            except OSError:
-                break
-            if re.search(pattern, buffer):
-                return buffer
-    raise AssertionError(f"did not see {pattern!r} within {timeout} s; got {buffer[-500:]!r}")
-
-
-def wait_for_exit(pid, fd, timeout) -> Tuple[int, bytes]:
-    output, deadline = b"", time.time() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            try:
-                while select.select([fd], [], [], 0.1)[0]:
-                    output += os.read(fd, 4096)
-            except OSError:
-                pass
-            return os.waitstatus_to_exitcode(status), output
-        assert time.time() < deadline, f"still running {timeout} s later"
-        if select.select([fd], [], [], 0.2)[0]:
-            try:
-                output += os.read(fd, 4096)
-            except OSError:
-                pass
 
 
 UP_ARROW = b"\x1b[A"
