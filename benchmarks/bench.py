@@ -503,9 +503,11 @@ def main() -> None:
         return
 
     shapes = opts.shapes or (QUICK if opts.quick else GRID)
-    from llama.cpu import cpu_flags, cpu_name
+    from llama.cpu import cpu_flags, cpu_name, instruction_caps
 
     machine = f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags())}; {opts.threads} threads"
+    if instruction_caps():
+        machine += f"; instructions capped by {' '.join(instruction_caps())}"
     log(machine)
     opts.prefill_lens = opts.prefill_lens or ((64,) if opts.quick else PREFILL_LENS)
     with_llama_cpp = opts.device == "cpu" and not opts.no_llama_cpp and llama_cpp_importable()

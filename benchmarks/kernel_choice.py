@@ -55,9 +55,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(*args.worker)
-    from llama.cpu import cpu_flags, cpu_name
+    from llama.cpu import cpu_flags, cpu_name, instruction_caps
 
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags())}")
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags() + instruction_caps())}")
     for shape in args.shapes:
         checkpoint = meta_checkpoint(shape, args.workdir, default_tokenizer(), "cpu")
         for dtype in args.dtypes:

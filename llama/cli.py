@@ -67,14 +67,21 @@ def user_errors(flags: Iterable[str]) -> Iterator[None]:
 @contextmanager
 def ends_on_ctrl_c() -> Iterator[None]:
     """Ctrl-C inside ends the program with one line on stderr (from the first process only, under torchrun) and exit
-    status 130, instead of a traceback per process."""
+    status 130, instead of a traceback per process.
+
+    It ends the process at once (`os._exit`), after flushing its output: an interrupt can land anywhere, and an
+    orderly exit then may wait forever for a worker thread it left waiting (a thread pool of the CPU kernels), or
+    end by SIGINT all the same (CPython 3.11 remembers a KeyboardInterrupt that passed through code it built from
+    a string, such as a dataclass's methods, and re-raises the signal at exit even though it was caught). Nothing
+    is left unwritten: the chat saves its history after each line, and files are written whole or not at all."""
     try:
         yield
     except KeyboardInterrupt:
         if os.environ.get("RANK", "0") == "0":
             start_of_line = "\n" if sys.stderr.isatty() else ""  # a terminal's cursor is after the prompt, or ^C
             print(f"{start_of_line}Interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-        raise SystemExit(INTERRUPTED_EXIT_STATUS) from None
+        sys.stdout.flush()
+        os._exit(INTERRUPTED_EXIT_STATUS)
 
 
 def check_prompts_fit(

@@ -120,15 +120,15 @@ GQA_PARAMS = {  # 4 query heads share 2 kv heads
 }
 
 
-def load_tiny(tmp_path, weights, dtype):
+def load_tiny(tmp_path, weights, dtype, max_seq_len=32):
     """`weights` (of GQA_PARAMS) written as a checkpoint under tmp_path and loaded as `Llama.build` loads it, on
-    CPU, with max_seq_len 32 and max_batch_size 2."""
+    CPU, with `max_seq_len` and max_batch_size 2."""
     from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
     from llama.generation import use_inference_layers
 
     write_meta_checkpoint(tmp_path / "ckpt", GQA_PARAMS, weights)
     reader = open_checkpoint(tmp_path / "ckpt")
-    args = model_args_from(reader.params, max_seq_len=32, max_batch_size=2)[0]
+    args = model_args_from(reader.params, max_seq_len=max_seq_len, max_batch_size=2)[0]
     return use_inference_layers(load_model(reader, args, 0, 1, torch.device("cpu"), dtype))
 
 

@@ -2,6 +2,7 @@
 file, waited for until /health answers."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +30,10 @@ class Server:
         root = Path(__file__).resolve().parents[1]
         env = dict(os.environ, PYTHONPATH=str(root))
         with open(log, "w") as out:
-            self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=env)
+            # SIGINT as a shell's foreground program gets it, even where pytest runs with it ignored (a background job)
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=env, preexec_fn=default_sigint
+            )
         deadline = time.time() + 120
         while not self.healthy():
             if self.process.poll() is not None or time.time() > deadline:
@@ -50,3 +54,7 @@ class Server:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+def default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

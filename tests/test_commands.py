@@ -232,6 +232,7 @@ def terminal(args, **extra_env):
     pid, fd = pty.fork()
     if pid == 0:
         os.chdir(ROOT)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a terminal starts a program, even if pytest ignores Ctrl-C
         os.execve(sys.executable, [sys.executable, *map(str, args)], env(**extra_env))
     try:
         yield pid, fd

@@ -530,9 +530,9 @@ def measured_products(monkeypatch) -> list:
     measured = []
     measure = llama.cpu.measure
 
-    def counting(layers, rows, *args):
-        measured.append((llama.cpu.product_name(layers), rows))
-        return measure(layers, rows, *args)
+    def counting(jobs, flush):
+        measured.extend((job.name, job.rows) for job in jobs)
+        return measure(jobs, flush)
 
     patch_cpu(monkeypatch, "measure", counting)
     return measured
@@ -543,9 +543,9 @@ def chosen_kernels(model) -> list:
 
 
 def test_kernels_are_measured_once_then_taken_from_the_cache(process_group, tmp_path, monkeypatch, caplog):
-    """The first load measures each product's kernels and caches the choice under $XDG_CACHE_HOME; a second load
-    (the same CPU and torch) takes it from there without measuring; a new torch version measures again. Each
-    choice is logged."""
+    """The first load measures each product's kernels and caches what it found under $XDG_CACHE_HOME; a second load
+    (the same CPU and torch) chooses from there without measuring; a new torch version, or instructions capped by
+    an environment variable, measure again. Each choice is logged."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     measured = measured_products(monkeypatch)
     weights = random_weights(GQA_PARAMS, seed=12)
@@ -561,17 +561,28 @@ def test_kernels_are_measured_once_then_taken_from_the_cache(process_group, tmp_
     with caplog.at_level(logging.INFO, logger="llama.cpu"):
         second = load_tiny(tmp_path / "second", weights, torch.bfloat16)
     assert measured == [] and chosen_kernels(second) == chosen_kernels(first)
-    assert "kernels.json)" in caplog.text
+    assert "kernels.json: " in caplog.text
 
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     load_tiny(tmp_path / "new torch", weights, torch.bfloat16)
     assert len(measured) == 5 * 3
 
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the kernels of another CPU: measured again
+    load_tiny(tmp_path / "capped", weights, torch.bfloat16)
+    assert len(measured) == 2 * 5 * 3
+
 
 @pytest.mark.parametrize(
     "damage",
-    ['{"format": 1, "choices": {"x": ', "[1, 2]", '{"format": 1, "choices": {"x": "turbo"}}', "\udcff"],
-    ids=["truncated", "not-a-table", "unknown-kernel", "not-utf8"],
+    [
+        '{"format": 2, "measured": {"x": ',
+        "[1, 2]",
+        '{"format": 2, "measured": {"x": {"seconds": {"turbo": 1e-9}}}}',
+        '{"format": 2, "measured": {"x": {"seconds": {"fp16": NaN}}}}',
+        '{"format": 1, "choices": {"x": "fp16"}}',
+        "\udcff",
+    ],
+    ids=["truncated", "not-a-table", "unknown-kernel", "not-a-time", "older-format", "not-utf8"],
 )
 def test_a_damaged_cache_file_is_measured_again_and_rewritten(process_group, tmp_path, monkeypatch, damage):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -591,7 +602,53 @@ def test_the_fastest_candidate_is_chosen(process_group, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for fastest in ("linear", "onednn"):
         fake = {"fp16": 3.0, "onednn": 2.0, "mv": 2.5, "linear": 4.0, fastest: 1.0}
-        patch_cpu(monkeypatch, "time_kernels", lambda runs, flush: {k: fake[k] for k in runs})
+        patch_cpu(monkeypatch, "time_kernels", lambda runs, flush: [{k: fake[k] for k in calls} for calls in runs])
         monkeypatch.setattr(torch, "__version__", f"measured for {fastest}")
         model = load_tiny(tmp_path / fastest, random_weights(GQA_PARAMS, seed=12), torch.float32)
         assert all(set(kernels.values()) == {fastest} for kernels in chosen_kernels(model))
+
+
+def test_a_float16_copy_is_made_only_where_it_repays_its_making_within_a_full_context(
+    process_group, tmp_path, monkeypatch, caplog
+):
+    """Measured so that fbgemm's float16 copy is the fastest for prompts only, by 1 ns a weight per 256-row product,
+    and takes 10 ns a weight to make: with a context of 32 tokens it would save 0.125 ns a weight, so no copy is
+    made and every row count runs on its fastest other kernel; a context of 5120 tokens (20 such products: 20 ns)
+    repays it, and prompts run on the copy, chosen from the cached measurements without measuring again."""
+    if not fbgemm_fp16_supported():
+        pytest.skip("this torch build has no fbgemm float16 kernels")  # x86 builds have them
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def fake_measure(jobs, flush):
+        found = {}
+        for job in jobs:
+            others = [k for k in job.candidates if k != "fp16"]  # the first of them the fastest
+            seconds = {k: (3 + i) * 1e-9 for i, k in enumerate(others)}
+            seconds["fp16"] = 2e-9 if job.rows == llama.cpu.PROMPT_ROWS else 4e-9
+            found[job.key] = llama.cpu.Measured(seconds, fp16_copy=1e-8)
+        return found
+
+    measured = []
+    patch_cpu(monkeypatch, "measure", lambda jobs, flush: measured.extend(jobs) or fake_measure(jobs, flush))
+    weights = random_weights(GQA_PARAMS, seed=12)
+    with caplog.at_level(logging.INFO, logger="llama.cpu"):
+        short = load_tiny(tmp_path / "short", weights, torch.bfloat16, max_seq_len=32)
+    assert len(measured) == 5 * 3 and "No float16 copy for bfloat16 512x64: fastest for 256 rows" in caplog.text
+    prompt = torch.randint(0, GQA_PARAMS["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(3))
+    short(prompt, 0)
+    for layer in (m for m in short.modules() if isinstance(m, CPULinear)):
+        assert layer.kernels == fastest_but_fp16(layer) and "fp16" not in layer.packed
+        assert layer.fused is None or not layer.fused.packed
+
+    measured.clear()
+    long = load_tiny(tmp_path / "long", weights, torch.bfloat16, max_seq_len=20 * llama.cpu.PROMPT_ROWS)
+    assert measured == []
+    for layer in (m for m in long.modules() if isinstance(m, CPULinear)):
+        assert layer.kernels == {**fastest_but_fp16(layer), 256: "fp16"}
+        assert (layer.fused or layer).packed["fp16"][1] is not None  # made at load
+
+
+def fastest_but_fp16(layer: CPULinear) -> dict:
+    """The first candidate other than "fp16" for each row count (1, the batch of 2, a prompt)."""
+    candidates = {rows: llama.cpu.candidate_kernels(layer.weight.dtype, rows, True, True) for rows in (1, 2, 256)}
+    return {rows: next(k for k in kernels if k != "fp16") for rows, kernels in candidates.items()}

@@ -3,7 +3,8 @@
 Which kernel is fastest depends on the CPU (AVX2 or AVX-512, bfloat16 instructions or not), the torch build, the
 shape and the number of rows, so it is measured here rather than guessed from CPU flags: at load, for each product
 shape and the row counts that matter (one row, the batch, a prompt), the kernels that keep the math
-(`candidate_kernels`) are timed (`time_kernels`) and the fastest is kept; the choice is cached per CPU, torch
+(`candidate_kernels`) are timed (`time_kernels`) and the fastest is kept, but for a float16 copy that would not
+repay the time to make it within one full context (`kernels_for`); what was measured is cached per CPU, torch
 version and shape (`KernelCache`), so a later load does not measure again. `LLAMA_CPU_KERNEL` pins one kernel.
 
 Every kernel keeps the reference math: only the order in which the float32 products are summed changes, and on
@@ -11,21 +12,28 @@ float16 copies of weights that hold bfloat16 values (`pack_as_fp16`: bfloat16 we
 bfloat16 checkpoint) the smallest weights round by less than 3e-8. Tests hold logits within 1e-4 of the reference
 math in float32 and greedy tokens equal. Figures: `benchmarks/bench.py`, docs/speed.md.
 
-One concern a module: `kernels` (what each kernel runs and needs), `layers` (`CPULinear`, `FusedProduct`) and
-`choice` (the measurements, their cache, and `speed_up_for_cpu`).
+One concern a module: `kernels` (what each kernel runs and needs), `layers` (`CPULinear`, `FusedProduct`), `cache`
+(this CPU, and what measuring found on it) and `choice` (measuring, choosing, and `speed_up_for_cpu`).
 """
 
+from llama.cpu.cache import (
+    INSTRUCTION_CAPS,
+    KernelCache,
+    Measured,
+    cpu_flags,
+    cpu_name,
+    cpuinfo_fields,
+    instruction_caps,
+    last_level_cache_bytes,
+)
 from llama.cpu.choice import (
     DECODE_SAMPLE_VALUES,
     PROMPT_ROWS,
     PROMPT_SAMPLE_VALUES,
     TIMED_ROUNDS,
-    KernelCache,
+    calls_per_context,
     choose_kernels,
-    cpu_flags,
-    cpu_name,
-    cpuinfo_fields,
-    last_level_cache_bytes,
+    kernels_for,
     measure,
     row_counts,
     speed_up_for_cpu,
@@ -68,13 +76,16 @@ __all__ = [
     "FP16_BLOCK_VALUES",
     "FP16_MAX",
     "FusedProduct",
+    "INSTRUCTION_CAPS",
     "KERNELS",
     "KERNEL_VARIABLE",
     "KernelCache",
     "MATMUL_ATTENTION_MIN_SCORES",
+    "Measured",
     "PROMPT_ROWS",
     "PROMPT_SAMPLE_VALUES",
     "TIMED_ROUNDS",
+    "calls_per_context",
     "candidate_kernels",
     "choose_kernels",
     "cpu_flags",
@@ -85,6 +96,8 @@ __all__ = [
     "fp16_products",
     "fuse_fp16_products",
     "holds_bfloat16_values",
+    "instruction_caps",
+    "kernels_for",
     "last_level_cache_bytes",
     "make_fp16_copies",
     "measure",

@@ -1,19 +1,17 @@
-"""Which kernel runs each product, measured at load (`choose_kernels`) and cached per CPU, torch version and shape
-(`KernelCache`); `speed_up_for_cpu` applies it all to a loaded model."""
+"""Which kernel runs each product, measured at load (`choose_kernels`; what measuring found is kept in a
+`KernelCache`); `speed_up_for_cpu` applies it all to a loaded model."""
 
-import json
 import logging
 import math
-import os
-import platform
-import tempfile
 import time
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
+from llama.cpu.cache import KernelCache, Measured, last_level_cache_bytes
 from llama.cpu.kernels import (
     KERNEL_VARIABLE,
     KERNELS,
@@ -46,120 +44,31 @@ PROMPT_SAMPLE_VALUES = 2**20  # a prompt: fewer, since it is bound by arithmetic
 TIMED_ROUNDS = 2  # after a warm-up round; each kernel keeps its best round
 
 
-def last_level_cache_bytes() -> int:
-    """The size of the CPU's largest data cache (Linux's sysfs), or 32 MiB where it is not known."""
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            if (index / "type").read_text().strip() != "Instruction":
-                size = (index / "size").read_text().strip().upper()
-                sizes.append(int(size[:-1]) * {"K": 2**10, "M": 2**20}[size[-1]] if size[-1] in "KM" else int(size))
-        except (OSError, ValueError):
-            continue
-    return min(max(sizes, default=32 * 2**20), 512 * 2**20)
-
-
-def time_kernels(runs: Dict[str, Callable[[], object]], flush: Optional[Callable[[], object]]) -> Dict[str, float]:
-    """Each kernel's best time in seconds over `TIMED_ROUNDS` rounds, after a warm-up round (where oneDNN builds
-    its primitives and mapped weights are read in). The kernels take turns within a round, so that a slow spell
-    of a shared machine falls on all of them. Each round starts with `flush` (if any), which evicts the caches,
-    since in a decode step each weight comes from memory, the rest of the model having been read since; each
-    kernel runs on its own copy of the weights, so one kernel's call does not bring the next one's weights into
-    the cache. A kernel more than twice as slow as the best after a round is not timed again."""
-    for run in runs.values():
-        run()
-    best = dict.fromkeys(runs, math.inf)
-    timed = list(runs)
+def time_kernels(
+    runs: List[Dict[str, Callable[[], object]]], flush: Optional[Callable[[], object]]
+) -> List[Dict[str, float]]:
+    """For each product (a dict of its kernels' calls), each kernel's best time in seconds over `TIMED_ROUNDS`
+    rounds, after a warm-up round (where oneDNN builds its primitives and mapped weights are read in). Within a
+    round every product's kernels take turns, so that a slow spell of a shared machine falls on all of them. Each
+    round starts with `flush` (if any), which evicts the caches, since in a decode step each weight comes from
+    memory, the rest of the model having been read since; every kernel of every product runs on weights of its
+    own, so no call brings the next one's weights into the cache, and one flush serves the whole round. A kernel
+    more than twice as slow as its product's best after a round is not timed again."""
+    for product in runs:
+        for run in product.values():
+            run()
+    best = [dict.fromkeys(product, math.inf) for product in runs]
+    timed = [list(product) for product in runs]
     for _ in range(TIMED_ROUNDS):
         if flush is not None:
             flush()
-        for kernel in timed:
-            start = time.perf_counter()
-            runs[kernel]()
-            best[kernel] = min(best[kernel], time.perf_counter() - start)
-        timed = [kernel for kernel in timed if best[kernel] <= 2 * min(best.values())]
+        for product, times, kernels in zip(runs, best, timed):
+            for kernel in kernels:
+                start = time.perf_counter()
+                product[kernel]()
+                times[kernel] = min(times[kernel], time.perf_counter() - start)
+        timed = [[k for k in kernels if times[k] <= 2 * min(times.values())] for times, kernels in zip(best, timed)]
     return best
-
-
-def cpu_name() -> str:
-    """The CPU's model name, with its family and model numbers where Linux gives them (a virtual machine may name
-    only the vendor's line, "AMD EPYC")."""
-    fields = cpuinfo_fields()
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    numbers = [f"{key} {fields[key]}" for key in ("cpu family", "model") if key in fields]
-    return f"{name} ({', '.join(numbers)})" if numbers else name
-
-
-def cpu_flags() -> List[str]:
-    """Which of the instruction sets that decide the kernels' speed this CPU has."""
-    flags = set(cpuinfo_fields().get("flags", "").split())
-    wanted = ("avx2", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
-    found = [flag for flag in wanted if flag in flags]
-    return found or [f"torch: {torch.backends.cpu.get_cpu_capability()}"]
-
-
-def cpuinfo_fields() -> Dict[str, str]:
-    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        return {}
-    return dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in text.splitlines()))
-
-
-class KernelCache:
-    """The kernels chosen here, in `$XDG_CACHE_HOME/llama3/kernels.json` (or ~/.cache/llama3/kernels.json), keyed
-    by the CPU, its flags, the torch version, the thread count, the product and the rows: a later load on the same
-    CPU with the same torch takes them without measuring. A file that cannot be read, or holds anything else, is
-    ignored (the kernels are measured again and the file rewritten); one that cannot be written is skipped."""
-
-    FORMAT = 1
-
-    def __init__(self):
-        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        self.path = Path(root) / "llama3" / "kernels.json"
-        self.machine = (
-            f"{cpu_name()} [{' '.join(cpu_flags())}], torch {torch.__version__}, {torch.get_num_threads()} threads"
-        )
-        self.choices = self.read()
-        self.measured = {}
-
-    def read(self) -> Dict[str, str]:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as e:
-            logger.warning("Ignoring the CPU kernel cache %s, which cannot be read (%s): measuring again", self.path, e)
-            return {}
-        choices = data.get("choices") if isinstance(data, dict) and data.get("format") == self.FORMAT else None
-        if not isinstance(choices, dict) or not all(kernel in KERNELS for kernel in choices.values()):
-            logger.warning("Ignoring the CPU kernel cache %s, which holds something else: measuring again", self.path)
-            return {}
-        return choices
-
-    def key(self, product: str, rows: int, candidates: List[str]) -> str:
-        return f"{self.machine} | {product} | {rows} rows | {' '.join(candidates)}"
-
-    def get(self, key: str) -> Optional[str]:
-        return self.choices.get(key)
-
-    def put(self, key: str, kernel: str) -> None:
-        self.choices[key] = self.measured[key] = kernel
-
-    def save(self) -> None:
-        """Write the kernels measured since this cache was read, with what the file holds now (another process may
-        have added its own), replacing the file in one step."""
-        if not self.measured:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({"format": self.FORMAT, "choices": {**self.read(), **self.measured}}, indent=1)
-            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as file:
-                file.write(text)
-            os.replace(file.name, self.path)
-        except OSError as e:
-            logger.warning("Could not write the CPU kernel cache %s (%s): the next load measures again", self.path, e)
 
 
 def row_counts(max_batch_size: int) -> List[int]:
@@ -179,88 +88,184 @@ def weight_sample(layers: List[CPULinear], max_values: int, part: int = 0) -> Op
     return [layer.weight.detach()[part * share : (part + 1) * share] for share, layer in zip(shares, layers)]
 
 
-def sample_copy(kernel: str, layers: List[CPULinear], max_values: int, part: int) -> Optional[List[torch.Tensor]]:
+def sample_copy(kernel: str, layers: List[CPULinear], max_values: int) -> Optional[List[torch.Tensor]]:
     """The weights `kernel` runs on in a measurement, in memory of its own (see `time_kernels`): the stacked float16
     copy of the sample for "fp16" (None where float16 cannot hold it), a copy in oneDNN's layout for "onednn" in
-    bfloat16; else the weights' `part`-th sample as they are, or a copy of the first where they have no such part."""
+    bfloat16; else a share of the weights' rows that no other kernel reads (`weight_sample`), or a copy of the
+    sample where the weights have no such share."""
     weights = weight_sample(layers, max_values)
     if kernel == "fp16":
         copy = pack_as_fp16(*weights)
         return None if copy is None else [copy]
     if kernel == "onednn" and weights[0].dtype != torch.float32:
         return [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in weights]
-    return weight_sample(layers, max_values, part) or [weight.clone() for weight in weights]
+    return weight_sample(layers, max_values, KERNELS.index(kernel)) or [weight.clone() for weight in weights]
 
 
-def measure(
-    layers: List[CPULinear], rows: int, candidates: List[str], flush, copies: Optional[dict] = None
-) -> Dict[str, float]:
-    """The best seconds of each candidate kernel for `rows` rows through the product of `layers` (`time_kernels`),
-    on a sample of its weights (`weight_sample`), each kernel on weights in memory of its own (`sample_copy`), kept
-    in `copies` for the product's other row counts. One row and the batch are timed with the caches flushed
-    before each round (as a decode step meets its weights); a prompt, bound by arithmetic, without."""
-    decode = rows < PROMPT_ROWS
-    sample_values = DECODE_SAMPLE_VALUES if decode else PROMPT_SAMPLE_VALUES
-    copies = {} if copies is None else copies
-    x = torch.randn(rows, layers[0].weight.shape[1], generator=torch.Generator().manual_seed(0))
-    x = x.to(layers[0].weight.dtype)
-    runs = {}
-    for part, kernel in enumerate(candidates):
-        if (kernel, sample_values) not in copies:
-            copies[kernel, sample_values] = sample_copy(kernel, layers, sample_values, part)
-        copy = copies[kernel, sample_values]
+@dataclass
+class Job:
+    """One product at one row count, to be measured."""
+
+    name: str
+    layers: List[CPULinear]
+    rows: int
+    candidates: List[str]
+    key: str
+
+    @property
+    def sample_values(self) -> int:
+        return DECODE_SAMPLE_VALUES if self.rows < PROMPT_ROWS else PROMPT_SAMPLE_VALUES
+
+
+def make_samples(jobs: List[Job]) -> Dict[tuple, tuple]:
+    """Each (product, kernel, sample size)'s weights for measuring (`sample_copy`) with the seconds it took to make,
+    made once for all of a product's row counts, on as many threads as torch uses (fbgemm packs on one core)."""
+    wanted = {(job.name, kernel, job.sample_values): job.layers for job in jobs for kernel in job.candidates}
+
+    def make(item):
+        (_, kernel, values), layers = item
+        start = time.perf_counter()
+        copy = sample_copy(kernel, layers, values)
+        return copy, time.perf_counter() - start
+
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        return dict(zip(wanted, pool.map(make, wanted.items())))
+
+
+def measure(jobs: List[Job], flush: Callable[[], object]) -> Dict[str, Measured]:
+    """What each job's candidate kernels take (`time_kernels`) on a sample of its product's weights
+    (`weight_sample`), each kernel on weights in memory of its own (`sample_copy`), keyed by the job's key. The
+    jobs of a row count are timed together; one row and the batch with the caches flushed before each round (as a
+    decode step meets its weights), a prompt, bound by arithmetic, without."""
+    samples = make_samples(jobs)
+    found = {}
+    for rows in sorted({job.rows for job in jobs}):
+        group = [job for job in jobs if job.rows == rows]
+        inputs = {}  # one random input per width, as the kernels of a product read the same one
+        for job in group:
+            width = job.layers[0].weight.shape[1]
+            if width not in inputs:
+                x = torch.randn(rows, width, generator=torch.Generator().manual_seed(0))
+                inputs[width] = x.to(job.layers[0].weight.dtype)
+        runs = [kernel_calls(job, samples, inputs[job.layers[0].weight.shape[1]]) for job in group]
+        for job, seconds in zip(group, time_kernels(runs, flush if rows < PROMPT_ROWS else None)):
+            values = sum(weight.numel() for weight in weight_sample(job.layers, job.sample_values))
+            copy = samples.get((job.name, "fp16", job.sample_values), (None, 0.0))
+            found[job.key] = Measured(
+                {kernel: t / values for kernel, t in seconds.items()},
+                copy[1] / values / torch.get_num_threads() if copy[0] is not None else None,
+            )
+    return found
+
+
+def kernel_calls(job: Job, samples: Dict[tuple, tuple], x: torch.Tensor) -> Dict[str, Callable[[], object]]:
+    """A call of each of the job's candidate kernels on `x` and the kernel's own sample of the weights."""
+    calls = {}
+    for kernel in job.candidates:
+        copy = samples[job.name, kernel, job.sample_values][0]
         if kernel == "fp16" and copy is not None:  # one product of the stacked weights, as a fused group runs
-            runs[kernel] = lambda packed=copy[0]: fp16_linear(x, packed)
+            calls[kernel] = lambda packed=copy[0]: fp16_linear(x, packed)
         elif copy is not None:
-            runs[kernel] = lambda kernel=kernel, copy=copy: [run_kernel(kernel, x, weight, None) for weight in copy]
-    return time_kernels(runs, flush if decode else None)
+            calls[kernel] = lambda kernel=kernel, copy=copy: [run_kernel(kernel, x, weight, None) for weight in copy]
+    return calls
+
+
+def calls_per_context(rows: int, max_seq_len: int) -> float:
+    """How many products of `rows` rows one full context takes: a decode step per position (one row or the batch),
+    or a prompt of `max_seq_len` tokens."""
+    return max_seq_len if rows < PROMPT_ROWS else max_seq_len / PROMPT_ROWS
+
+
+def kernels_for(measured: Dict[int, Measured], max_seq_len: int) -> Dict[int, str]:
+    """The kernel for each row count: the fastest measured, except that a float16 copy is made only where it pays:
+    where the time it would save over one full context at a row count it wins (`calls_per_context`) exceeds the
+    time it takes to make. (On an AVX-512 CPU where oneDNN's bfloat16 kernels decode 1B in bfloat16 fastest, a
+    float16 copy that would speed up only its prompts takes some 10 s to make and saves about 0.5 s per 256 prompt
+    tokens.)"""
+    chosen = {rows: m.fastest() for rows, m in measured.items()}
+    wins = [rows for rows, kernel in chosen.items() if kernel == "fp16"]
+    if wins and copy_saving(measured, wins, max_seq_len) < max(m.fp16_copy or 0.0 for m in measured.values()):
+        chosen = {rows: m.fastest(leave_out="fp16") for rows, m in measured.items()}
+    return chosen
+
+
+def copy_saving(measured: Dict[int, Measured], wins: List[int], max_seq_len: int) -> float:
+    """The most a float16 copy saves per weight over one full context at one of the row counts `wins` it wins."""
+    return max(
+        (m.seconds[m.fastest(leave_out="fp16")] - m.seconds["fp16"]) * calls_per_context(rows, max_seq_len)
+        for rows, m in measured.items()
+        if rows in wins
+    )
 
 
 def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
     """Set each `CPULinear`'s kernels for `counts` rows: pinned by `LLAMA_CPU_KERNEL` (where that kernel can run
-    the product: else `F.linear`), or the fastest of `candidate_kernels`, from the cache or measured here, once
-    per product name; each choice is logged."""
+    the product: else `F.linear`), or chosen by `kernels_for` from what measuring `candidate_kernels` found, from
+    the cache or measured here (all products at once: `measure`), once per product name; each choice is logged."""
     pinned = pinned_kernel()
     cache = KernelCache()
-    flush_buffer = None
-    chosen = {}
     start = time.perf_counter()
+    all_products = products(model)
+    by_name = {}
+    for layers in all_products:
+        by_name.setdefault(product_name(layers), layers)
+    chosen, jobs, measured = {}, [], {}
     with torch.no_grad():
-        for layers in products(model):
-            name = product_name(layers)
-            if name not in chosen:
-                fp16_holds = all(holds_bfloat16_values(layer.weight) for layer in layers)
-                chosen[name] = {}
-                measured_copies = {}  # each kernel's copy of the sample, shared by the product's row counts
-                for rows in counts:
-                    candidates = candidate_kernels(layers[0].weight.dtype, rows, fp16_holds, copies)
-                    key = cache.key(name, rows, candidates)
-                    if pinned is not None:
-                        kernel = pinned if pinned in candidates else "linear"
-                        how = f"pinned by {KERNEL_VARIABLE}={pinned}"
-                    elif len(candidates) == 1:
-                        kernel, how = candidates[0], "the only candidate"
-                    elif cache.get(key) is not None:
-                        kernel, how = cache.get(key), f"from {cache.path}"
-                    else:
-                        if flush_buffer is None:
-                            flush_buffer = torch.ones(last_level_cache_bytes() // 4)
-                        times = measure(layers, rows, candidates, flush_buffer.sum, measured_copies)
-                        kernel = min(times, key=times.get)
-                        cache.put(key, kernel)
-                        how = "measured: " + ", ".join(
-                            f"{k} {t * 1e3:.3g} ms" for k, t in times.items() if t < math.inf
-                        )
-                    chosen[name][rows] = kernel
-                    logger.info("CPU kernel for %s, %d rows: %s (%s)", name, rows, kernel, how)
-            for layer in layers:
-                layer.kernels = dict(chosen[name])
+        for name, layers in by_name.items():
+            fp16_holds = all(holds_bfloat16_values(layer.weight) for layer in layers)
+            chosen[name] = {}
+            for rows in counts:
+                candidates = candidate_kernels(layers[0].weight.dtype, rows, fp16_holds, copies)
+                key = cache.key(name, rows, candidates)
+                if pinned is not None:
+                    kernel = pinned if pinned in candidates else "linear"
+                    chosen[name][rows] = kernel, f"pinned by {KERNEL_VARIABLE}={pinned}"
+                elif len(candidates) == 1:
+                    chosen[name][rows] = candidates[0], "the only candidate"
+                elif cache.get(key) is not None:
+                    measured[name, rows] = cache.get(key), f"from {cache.path}"
+                else:
+                    jobs.append(Job(name, layers, rows, candidates, key))
+        if jobs:
+            flush = torch.ones(last_level_cache_bytes() // 4)
+            found = measure(jobs, flush.sum)
+            del flush
+            for job in jobs:
+                cache.put(job.key, found[job.key])
+                measured[job.name, job.rows] = found[job.key], "measured"
+    for name, layers in by_name.items():
+        timings = {rows: m for (product, rows), (m, _) in measured.items() if product == name}
+        for rows, kernel in kernels_for(timings, model.params.max_seq_len).items():
+            m, how = measured[name, rows]
+            figures = ", ".join(f"{k} {t * 1e9:.3g}" for k, t in m.seconds.items())
+            chosen[name][rows] = kernel, f"{how}: {figures} ms per million weights"
+        for rows, (kernel, how) in chosen[name].items():
+            logger.info("CPU kernel for %s, %d rows: %s (%s)", name, rows, kernel, how)
+        declined = [rows for rows, m in timings.items() if m.fastest() == "fp16" and chosen[name][rows][0] != "fp16"]
+        if declined:
+            weights = sum(
+                layer.weight.numel() for group in all_products for layer in group if product_name(group) == name
+            )
+            making = max(m.fp16_copy for m in timings.values() if m.fp16_copy is not None) * weights
+            saving = copy_saving(timings, declined, model.params.max_seq_len) * weights
+            logger.info(
+                "No float16 copy for %s: fastest for %s rows, but making it (%.3g s) would take longer than it saves "
+                "over a full context of %d tokens (%.3g s)",
+                name,
+                ", ".join(map(str, declined)),
+                making,
+                model.params.max_seq_len,
+                saving,
+            )
+    for layers in all_products:
+        for layer in layers:
+            layer.kernels = {rows: kernel for rows, (kernel, _) in sorted(chosen[product_name(layers)].items())}
     cache.save()
     logger.info(
         "CPU kernels chosen for %d products in %.2f s (%d row counts measured)",
         len(chosen),
         time.perf_counter() - start,
-        len(cache.measured),
+        len(jobs),
     )
 
 

@@ -1,0 +1,148 @@
+"""What this CPU is (`cpu_name`, `cpu_flags`, `last_level_cache_bytes`) and what measuring its kernels found
+(`Measured`), kept between loads in `KernelCache`."""
+
+import json
+import logging
+import math
+import os
+import platform
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from llama.cpu.kernels import KERNELS
+
+logger = logging.getLogger(__name__)
+
+
+def last_level_cache_bytes() -> int:
+    """The size of the CPU's largest data cache (Linux's sysfs), or 32 MiB where it is not known."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "type").read_text().strip() != "Instruction":
+                size = (index / "size").read_text().strip().upper()
+                sizes.append(int(size[:-1]) * {"K": 2**10, "M": 2**20}[size[-1]] if size[-1] in "KM" else int(size))
+        except (OSError, ValueError):
+            continue
+    return min(max(sizes, default=32 * 2**20), 512 * 2**20)
+
+
+def cpu_name() -> str:
+    """The CPU's model name, with its family and model numbers where Linux gives them (a virtual machine may name
+    only the vendor's line, "AMD EPYC")."""
+    fields = cpuinfo_fields()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    numbers = [f"{key} {fields[key]}" for key in ("cpu family", "model") if key in fields]
+    return f"{name} ({', '.join(numbers)})" if numbers else name
+
+
+def cpu_flags() -> List[str]:
+    """Which of the instruction sets that decide the kernels' speed this CPU has."""
+    flags = set(cpuinfo_fields().get("flags", "").split())
+    wanted = ("avx2", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+    found = [flag for flag in wanted if flag in flags]
+    return found or [f"torch: {torch.backends.cpu.get_cpu_capability()}"]
+
+
+# Environment variables that cap the instructions torch's kernel libraries use: with them set to AVX2 (all four,
+# and MKL_ENABLE_INSTRUCTIONS=AVX2) an AVX-512 CPU runs the kernels an AVX2 CPU runs.
+INSTRUCTION_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
+
+
+def instruction_caps() -> List[str]:
+    """The caps of `INSTRUCTION_CAPS` (and MKL's) set here, as NAME=value."""
+    names = INSTRUCTION_CAPS + ("MKL_ENABLE_INSTRUCTIONS",)
+    return [f"{name}={os.environ[name]}" for name in names if os.environ.get(name)]
+
+
+def cpuinfo_fields() -> Dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return {}
+    return dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in text.splitlines()))
+
+
+@dataclass
+class Measured:
+    """What measuring one product at one row count found, in seconds per weight of the sample it ran on: each
+    kernel's best time, and for "fp16" the time it takes to make the float16 copy at load (fbgemm packs a weight
+    on one core, and `make_fp16_copies` packs on as many threads as torch uses)."""
+
+    seconds: Dict[str, float]
+    fp16_copy: Optional[float] = None
+
+    def fastest(self, leave_out: str = "") -> str:
+        return min((kernel for kernel in self.seconds if kernel != leave_out), key=self.seconds.get)
+
+
+class KernelCache:
+    """What measuring found here (`Measured`), in `$XDG_CACHE_HOME/llama3/kernels.json` (or
+    ~/.cache/llama3/kernels.json), keyed by the CPU, its flags (and `instruction_caps`), the torch version, the
+    thread count, the product, the rows and the candidates: a later load on the same CPU with the same torch
+    chooses from it without measuring. A file that cannot be read, or holds anything else, is ignored (the kernels
+    are measured again and the file rewritten); one that cannot be written is skipped."""
+
+    FORMAT = 2
+
+    def __init__(self):
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        self.path = Path(root) / "llama3" / "kernels.json"
+        flags = " ".join(cpu_flags() + instruction_caps())
+        self.machine = f"{cpu_name()} [{flags}], torch {torch.__version__}, {torch.get_num_threads()} threads"
+        self.entries = self.read()
+        self.measured = {}
+
+    def read(self) -> Dict[str, dict]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            logger.warning("Ignoring the CPU kernel cache %s, which cannot be read (%s): measuring again", self.path, e)
+            return {}
+        entries = data.get("measured") if isinstance(data, dict) and data.get("format") == self.FORMAT else None
+        if not isinstance(entries, dict) or not all(map(self.valid, entries.values())):
+            logger.warning("Ignoring the CPU kernel cache %s, which holds something else: measuring again", self.path)
+            return {}
+        return entries
+
+    @staticmethod
+    def valid(entry) -> bool:
+        if not isinstance(entry, dict) or not isinstance(entry.get("seconds"), dict) or not entry["seconds"]:
+            return False
+        figures = list(entry["seconds"].values()) + ([entry["fp16_copy"]] if "fp16_copy" in entry else [])
+        number = all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in figures)
+        return number and set(entry["seconds"]) <= set(KERNELS) and set(entry) <= {"seconds", "fp16_copy"}
+
+    def key(self, product: str, rows: int, candidates: List[str]) -> str:
+        return f"{self.machine} | {product} | {rows} rows | {' '.join(candidates)}"
+
+    def get(self, key: str) -> Optional[Measured]:
+        entry = self.entries.get(key)
+        return None if entry is None else Measured(dict(entry["seconds"]), entry.get("fp16_copy"))
+
+    def put(self, key: str, measured: Measured) -> None:
+        entry = {"seconds": measured.seconds}
+        if measured.fp16_copy is not None:
+            entry["fp16_copy"] = measured.fp16_copy
+        self.entries[key] = self.measured[key] = entry
+
+    def save(self) -> None:
+        """Write what was measured since this cache was read, with what the file holds now (another process may
+        have added its own), replacing the file in one step."""
+        if not self.measured:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps({"format": self.FORMAT, "measured": {**self.read(), **self.measured}}, indent=1)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as file:
+                file.write(text)
+            os.replace(file.name, self.path)
+        except OSError as e:
+            logger.warning("Could not write the CPU kernel cache %s (%s): the next load measures again", self.path, e)
