@@ -577,12 +577,13 @@ def test_kernels_are_measured_once_then_taken_from_the_cache(process_group, tmp_
     [
         '{"format": 2, "measured": {"x": ',
         "[1, 2]",
-        '{"format": 2, "measured": {"x": {"seconds": {"turbo": 1e-9}}}}',
-        '{"format": 2, "measured": {"x": {"seconds": {"fp16": NaN}}}}',
+        '{"format": 2, "measured": {"x": {"seconds": {"turbo": 1e-9}, "slowest": {"turbo": 1e-9}}}}',
+        '{"format": 2, "measured": {"x": {"seconds": {"fp16": NaN}, "slowest": {"fp16": 1e-9}}}}',
+        '{"format": 2, "measured": {"x": {"seconds": {"fp16": 1e-9}}}}',
         '{"format": 1, "choices": {"x": "fp16"}}',
         "\udcff",
     ],
-    ids=["truncated", "not-a-table", "unknown-kernel", "not-a-time", "older-format", "not-utf8"],
+    ids=["truncated", "not-a-table", "unknown-kernel", "not-a-time", "no-slowest", "older-format", "not-utf8"],
 )
 def test_a_damaged_cache_file_is_measured_again_and_rewritten(process_group, tmp_path, monkeypatch, damage):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -602,7 +603,7 @@ def test_the_fastest_candidate_is_chosen(process_group, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for fastest in ("linear", "onednn"):
         fake = {"fp16": 3.0, "onednn": 2.0, "mv": 2.5, "linear": 4.0, fastest: 1.0}
-        patch_cpu(monkeypatch, "time_kernels", lambda runs, flush: [{k: fake[k] for k in calls} for calls in runs])
+        patch_cpu(monkeypatch, "time_kernels", lambda runs, flush: [{k: [fake[k]] for k in calls} for calls in runs])
         monkeypatch.setattr(torch, "__version__", f"measured for {fastest}")
         model = load_tiny(tmp_path / fastest, random_weights(GQA_PARAMS, seed=12), torch.float32)
         assert all(set(kernels.values()) == {fastest} for kernels in chosen_kernels(model))
@@ -625,7 +626,7 @@ def test_a_float16_copy_is_made_only_where_it_repays_its_making_within_a_full_co
             others = [k for k in job.candidates if k != "fp16"]  # the first of them the fastest
             seconds = {k: (3 + i) * 1e-9 for i, k in enumerate(others)}
             seconds["fp16"] = 2e-9 if job.rows == llama.cpu.PROMPT_ROWS else 4e-9
-            found[job.key] = llama.cpu.Measured(seconds, fp16_copy=1e-8)
+            found[job.key] = llama.cpu.Measured(seconds, slowest=seconds, fp16_copy=1e-8)
         return found
 
     measured = []
@@ -652,3 +653,14 @@ def fastest_but_fp16(layer: CPULinear) -> dict:
     """The first candidate other than "fp16" for each row count (1, the batch of 2, a prompt)."""
     candidates = {rows: llama.cpu.candidate_kernels(layer.weight.dtype, rows, True, True) for rows in (1, 2, 256)}
     return {rows: next(k for k in kernels if k != "fp16") for rows, kernels in candidates.items()}
+
+
+def test_a_float16_lead_within_the_spread_of_its_own_timings_makes_no_copy():
+    """A one-row lead of 0.2 ns a weight over oneDNN would repay a copy that takes 10 ns a weight to make within
+    1024 steps (20 ns); but where float16's slower round was itself 0.15 ns behind its best, only 0.05 ns of the
+    lead is sure (5 ns over the context): no copy, and one row runs on oneDNN."""
+    seconds = {"fp16": 1.0e-10, "onednn": 1.2e-10, "linear": 2e-10}
+    steady = llama.cpu.Measured(seconds, slowest=seconds, fp16_copy=1e-8)
+    unsteady = llama.cpu.Measured(seconds, slowest={**seconds, "fp16": 1.15e-10}, fp16_copy=1e-8)
+    assert llama.cpu.kernels_for({1: steady}, max_seq_len=1024) == {1: "fp16"}
+    assert llama.cpu.kernels_for({1: unsteady}, max_seq_len=1024) == {1: "onednn"}

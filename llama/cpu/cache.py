@@ -71,10 +71,11 @@ def cpuinfo_fields() -> Dict[str, str]:
 @dataclass
 class Measured:
     """What measuring one product at one row count found, in seconds per weight of the sample it ran on: each
-    kernel's best time, and for "fp16" the time it takes to make the float16 copy at load (fbgemm packs a weight
-    on one core, and `make_fp16_copies` packs on as many threads as torch uses)."""
+    kernel's fastest and slowest timed round, and for "fp16" the time it takes to make the float16 copy at load
+    (fbgemm packs a weight on one core, and `make_fp16_copies` packs on as many threads as torch uses)."""
 
     seconds: Dict[str, float]
+    slowest: Dict[str, float]
     fp16_copy: Optional[float] = None
 
     def fastest(self, leave_out: str = "") -> str:
@@ -114,21 +115,22 @@ class KernelCache:
 
     @staticmethod
     def valid(entry) -> bool:
-        if not isinstance(entry, dict) or not isinstance(entry.get("seconds"), dict) or not entry["seconds"]:
+        tables = [entry.get(name) for name in ("seconds", "slowest")] if isinstance(entry, dict) else [None]
+        if not all(isinstance(table, dict) and table and set(table) <= set(KERNELS) for table in tables):
             return False
-        figures = list(entry["seconds"].values()) + ([entry["fp16_copy"]] if "fp16_copy" in entry else [])
+        figures = [*tables[0].values(), *tables[1].values()] + ([entry["fp16_copy"]] if "fp16_copy" in entry else [])
         number = all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in figures)
-        return number and set(entry["seconds"]) <= set(KERNELS) and set(entry) <= {"seconds", "fp16_copy"}
+        return number and set(tables[0]) == set(tables[1]) and set(entry) <= {"seconds", "slowest", "fp16_copy"}
 
     def key(self, product: str, rows: int, candidates: List[str]) -> str:
         return f"{self.machine} | {product} | {rows} rows | {' '.join(candidates)}"
 
     def get(self, key: str) -> Optional[Measured]:
         entry = self.entries.get(key)
-        return None if entry is None else Measured(dict(entry["seconds"]), entry.get("fp16_copy"))
+        return None if entry is None else Measured(entry["seconds"], entry["slowest"], entry.get("fp16_copy"))
 
     def put(self, key: str, measured: Measured) -> None:
-        entry = {"seconds": measured.seconds}
+        entry = {"seconds": measured.seconds, "slowest": measured.slowest}
         if measured.fp16_copy is not None:
             entry["fp16_copy"] = measured.fp16_copy
         self.entries[key] = self.measured[key] = entry

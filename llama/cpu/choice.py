@@ -2,7 +2,6 @@
 `KernelCache`); `speed_up_for_cpu` applies it all to a loaded model."""
 
 import logging
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,8 +45,8 @@ TIMED_ROUNDS = 2  # after a warm-up round; each kernel keeps its best round
 
 def time_kernels(
     runs: List[Dict[str, Callable[[], object]]], flush: Optional[Callable[[], object]]
-) -> List[Dict[str, float]]:
-    """For each product (a dict of its kernels' calls), each kernel's best time in seconds over `TIMED_ROUNDS`
+) -> List[Dict[str, List[float]]]:
+    """For each product (a dict of its kernels' calls), each kernel's time in seconds in each of `TIMED_ROUNDS`
     rounds, after a warm-up round (where oneDNN builds its primitives and mapped weights are read in). Within a
     round every product's kernels take turns, so that a slow spell of a shared machine falls on all of them. Each
     round starts with `flush` (if any), which evicts the caches, since in a decode step each weight comes from
@@ -57,18 +56,20 @@ def time_kernels(
     for product in runs:
         for run in product.values():
             run()
-    best = [dict.fromkeys(product, math.inf) for product in runs]
+    rounds = [{kernel: [] for kernel in product} for product in runs]
     timed = [list(product) for product in runs]
     for _ in range(TIMED_ROUNDS):
         if flush is not None:
             flush()
-        for product, times, kernels in zip(runs, best, timed):
+        for product, times, kernels in zip(runs, rounds, timed):
             for kernel in kernels:
                 start = time.perf_counter()
                 product[kernel]()
-                times[kernel] = min(times[kernel], time.perf_counter() - start)
-        timed = [[k for k in kernels if times[k] <= 2 * min(times.values())] for times, kernels in zip(best, timed)]
-    return best
+                times[kernel].append(time.perf_counter() - start)
+        for times, kernels in zip(rounds, timed):
+            best = {kernel: min(seconds) for kernel, seconds in times.items()}
+            kernels[:] = [kernel for kernel in kernels if best[kernel] <= 2 * min(best.values())]
+    return rounds
 
 
 def row_counts(max_batch_size: int) -> List[int]:
@@ -152,7 +153,8 @@ def measure(jobs: List[Job], flush: Callable[[], object]) -> Dict[str, Measured]
             values = sum(weight.numel() for weight in weight_sample(job.layers, job.sample_values))
             copy = samples.get((job.name, "fp16", job.sample_values), (None, 0.0))
             found[job.key] = Measured(
-                {kernel: t / values for kernel, t in seconds.items()},
+                {kernel: min(times) / values for kernel, times in seconds.items()},
+                {kernel: max(times) / values for kernel, times in seconds.items()},
                 copy[1] / values / torch.get_num_threads() if copy[0] is not None else None,
             )
     return found
@@ -190,9 +192,10 @@ def kernels_for(measured: Dict[int, Measured], max_seq_len: int) -> Dict[int, st
 
 
 def copy_saving(measured: Dict[int, Measured], wins: List[int], max_seq_len: int) -> float:
-    """The most a float16 copy saves per weight over one full context at one of the row counts `wins` it wins."""
+    """The most a float16 copy saves per weight over one full context at one of the row counts `wins` it wins,
+    counted from its slowest timed round: a lead smaller than the spread of its own timings is no lead."""
     return max(
-        (m.seconds[m.fastest(leave_out="fp16")] - m.seconds["fp16"]) * calls_per_context(rows, max_seq_len)
+        (m.seconds[m.fastest(leave_out="fp16")] - m.slowest["fp16"]) * calls_per_context(rows, max_seq_len)
         for rows, m in measured.items()
         if rows in wins
     )
@@ -247,7 +250,7 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
                 layer.weight.numel() for group in all_products for layer in group if product_name(group) == name
             )
             making = max(m.fp16_copy for m in timings.values() if m.fp16_copy is not None) * weights
-            saving = copy_saving(timings, declined, model.params.max_seq_len) * weights
+            saving = max(0.0, copy_saving(timings, declined, model.params.max_seq_len) * weights)
             logger.info(
                 "No float16 copy for %s: fastest for %s rows, but making it (%.3g s) would take longer than it saves "
                 "over a full context of %d tokens (%.3g s)",
