@@ -107,6 +107,9 @@ class KernelCache:
         except (OSError, ValueError) as e:
             logger.warning("Ignoring the CPU kernel cache %s, which cannot be read (%s): measuring again", self.path, e)
             return {}
+        if isinstance(data, dict) and isinstance(data.get("format"), int) and data["format"] < self.FORMAT:
+            logger.info("The CPU kernel cache %s was written by an older version: measuring again", self.path)
+            return {}
         entries = data.get("measured") if isinstance(data, dict) and data.get("format") == self.FORMAT else None
         if not isinstance(entries, dict) or not all(map(self.valid, entries.values())):
             logger.warning("Ignoring the CPU kernel cache %s, which holds something else: measuring again", self.path)
@@ -115,12 +118,16 @@ class KernelCache:
 
     @staticmethod
     def valid(entry) -> bool:
-        tables = [entry.get(name) for name in ("seconds", "slowest")] if isinstance(entry, dict) else [None]
-        if not all(isinstance(table, dict) and table and set(table) <= set(KERNELS) for table in tables):
+        """Whether `entry` is what `put` writes: each kernel's fastest and slowest round (the same kernels), and
+        perhaps the float16 copy's time, each a finite number of seconds."""
+        if not isinstance(entry, dict) or set(entry) - {"seconds", "slowest", "fp16_copy"}:
             return False
-        figures = [*tables[0].values(), *tables[1].values()] + ([entry["fp16_copy"]] if "fp16_copy" in entry else [])
-        number = all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in figures)
-        return number and set(tables[0]) == set(tables[1]) and set(entry) <= {"seconds", "slowest", "fp16_copy"}
+        seconds, slowest = entry.get("seconds"), entry.get("slowest")
+        if not (isinstance(seconds, dict) and isinstance(slowest, dict) and seconds):
+            return False
+        figures = [*seconds.values(), *slowest.values(), entry.get("fp16_copy", 0.0)]
+        numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in figures)
+        return numbers and set(seconds) == set(slowest) and set(seconds) <= set(KERNELS)
 
     def key(self, product: str, rows: int, candidates: List[str]) -> str:
         return f"{self.machine} | {product} | {rows} rows | {' '.join(candidates)}"

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 PROMPT_ROWS = 256  # the row count a prompt is measured at; inputs of more rows than the batch use its choice
 DECODE_SAMPLE_VALUES = 2**22  # one row and the batch: timed on up to this many weights of a product (from memory)
 PROMPT_SAMPLE_VALUES = 2**20  # a prompt: fewer, since it is bound by arithmetic rather than by reading the weight
-TIMED_ROUNDS = 2  # after a warm-up round; each kernel keeps its best round
+TIMED_ROUNDS = 2  # after a warm-up round; each kernel's fastest round ranks it, its slowest shows its spread
 
 
 def time_kernels(
