@@ -8,11 +8,14 @@ import importlib
 import importlib.util
 import math
 import os
+import pty
 import re
 import select
+import signal
 import time
 import types
 import unittest
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn, Tuple
 
@@ -220,6 +223,27 @@ class ScriptedModel(torch.nn.Module):
                 if 0 <= step < len(self.script):
                     logits[row, i, self.script[step]] = 100.0
         return logits[:, -1:] if last_logits_only else logits
+
+
+@contextmanager
+def on_a_terminal(argv, env=None, cwd=None, sigint=signal.SIG_DFL):
+    """Run `argv` on a pseudo-terminal (its stdin, stdout and stderr), started with SIGINT set to `sigint`: by
+    default as a terminal starts a program, whether or not pytest itself runs with Ctrl-C ignored (a background
+    job). Yields (pid, the terminal's fd); the program's process group is killed at the end."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        if cwd is not None:
+            os.chdir(cwd)
+        signal.signal(signal.SIGINT, sigint)
+        os.execve(argv[0], argv, os.environ if env is None else env)
+    try:
+        yield pid, fd
+    finally:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.close(fd)
 
 
 def read_until(fd, pattern: bytes, timeout: float) -> bytes:

@@ -7,11 +7,10 @@ import re
 import signal
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers import read_until, wait_for_exit
+from helpers import on_a_terminal, read_until, wait_for_exit
 
 from llama.chat import ChatSession, run_chat
 
@@ -152,22 +151,9 @@ def test_ctrl_c_with_several_processes_ends_the_chat_at_once(tiny_llama, monkeyp
     assert ended.value.code == 130
 
 
-@contextmanager
 def in_a_terminal(command, sigint):
     """Run `command` on a pseudo-terminal, started with SIGINT set to `sigint`; yields (pid, the terminal's fd)."""
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        signal.signal(signal.SIGINT, sigint)
-        os.execv(sys.executable, command)
-    try:
-        yield pid, fd
-    finally:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.close(fd)
+    return on_a_terminal(command, dict(os.environ, OMP_NUM_THREADS="1"), sigint=sigint)
 
 
 @pytest.mark.slow

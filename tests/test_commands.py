@@ -8,16 +8,14 @@ import os
 import pty
 import re
 import runpy
-import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
 import pytest
-from helpers import read_until, wait_for_exit
+from helpers import on_a_terminal, read_until, wait_for_exit
 
 import llama
 import llama.commands
@@ -226,22 +224,9 @@ def test_chat_on_pipes(tiny_checkpoint, tokenizer_path, tmp_path):
 # On a terminal ---------------------------------------------------------------------------------------------------
 
 
-@contextmanager
 def terminal(args, **extra_env):
     """`python -m llama ARGS` on a pseudo-terminal (stdin, stdout and stderr); yields (pid, the terminal's fd)."""
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.chdir(ROOT)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # as a terminal starts a program, even if pytest ignores Ctrl-C
-        os.execve(sys.executable, [sys.executable, *map(str, args)], env(**extra_env))
-    try:
-        yield pid, fd
-    finally:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.close(fd)
+    return on_a_terminal([sys.executable, *map(str, args)], env(**extra_env), cwd=ROOT)
 
 
 UP_ARROW = b"\x1b[A"
