@@ -48,15 +48,20 @@ def cpu_flags() -> List[str]:
     return found or [f"torch: {torch.backends.cpu.get_cpu_capability()}"]
 
 
-# Environment variables that cap the instructions torch's kernel libraries use: with them set to AVX2 (all four,
-# and MKL_ENABLE_INSTRUCTIONS=AVX2) an AVX-512 CPU runs the kernels an AVX2 CPU runs.
-INSTRUCTION_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS")
+# Environment variables that cap the instructions torch's kernel libraries use (ATen, oneDNN under either name,
+# fbgemm, MKL): with them set to AVX2 an AVX-512 CPU runs the kernels an AVX2 CPU runs.
+INSTRUCTION_CAPS = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "FBGEMM_ENABLE_INSTRUCTIONS",
+    "MKL_ENABLE_INSTRUCTIONS",
+)
 
 
 def instruction_caps() -> List[str]:
-    """The caps of `INSTRUCTION_CAPS` (and MKL's) set here, as NAME=value."""
-    names = INSTRUCTION_CAPS + ("MKL_ENABLE_INSTRUCTIONS",)
-    return [f"{name}={os.environ[name]}" for name in names if os.environ.get(name)]
+    """The caps of `INSTRUCTION_CAPS` set here, as NAME=value."""
+    return [f"{name}={os.environ[name]}" for name in INSTRUCTION_CAPS if os.environ.get(name)]
 
 
 def cpuinfo_fields() -> Dict[str, str]:
