@@ -575,15 +575,15 @@ def test_kernels_are_measured_once_then_taken_from_the_cache(process_group, tmp_
 @pytest.mark.parametrize(
     "damage",
     [
-        '{"format": 2, "measured": {"x": ',
+        '{"format": 3, "measured": {"x": ',
         "[1, 2]",
-        '{"format": 2, "measured": {"x": {"seconds": {"turbo": 1e-9}, "slowest": {"turbo": 1e-9}}}}',
-        '{"format": 2, "measured": {"x": {"seconds": {"fp16": NaN}, "slowest": {"fp16": 1e-9}}}}',
-        '{"format": 2, "measured": {"x": {"seconds": {"fp16": 1e-9}}}}',
+        '{"format": 3, "measured": {"x": {"seconds": {"turbo": 1e-9}, "median": {"turbo": 1e-9}}}}',
+        '{"format": 3, "measured": {"x": {"seconds": {"fp16": NaN}, "median": {"fp16": 1e-9}}}}',
+        '{"format": 3, "measured": {"x": {"seconds": {"fp16": 1e-9}}}}',
         '{"format": 1, "choices": {"x": "fp16"}}',
         "\udcff",
     ],
-    ids=["truncated", "not-a-table", "unknown-kernel", "not-a-time", "no-slowest", "older-format", "not-utf8"],
+    ids=["truncated", "not-a-table", "unknown-kernel", "not-a-time", "no-median", "older-format", "not-utf8"],
 )
 def test_a_damaged_cache_file_is_measured_again_and_rewritten(process_group, tmp_path, monkeypatch, damage):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -603,7 +603,7 @@ def test_the_fastest_candidate_is_chosen(process_group, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     for fastest in ("linear", "onednn"):
         fake = {"fp16": 3.0, "onednn": 2.0, "mv": 2.5, "linear": 4.0, fastest: 1.0}
-        patch_cpu(monkeypatch, "time_kernels", lambda runs, flush: [{k: [fake[k]] for k in calls} for calls in runs])
+        patch_cpu(monkeypatch, "time_kernels", lambda runs, *_: [{k: [fake[k]] for k in calls} for calls in runs])
         monkeypatch.setattr(torch, "__version__", f"measured for {fastest}")
         model = load_tiny(tmp_path / fastest, random_weights(GQA_PARAMS, seed=12), torch.float32)
         assert all(set(kernels.values()) == {fastest} for kernels in chosen_kernels(model))
@@ -626,7 +626,7 @@ def test_a_float16_copy_is_made_only_where_it_repays_its_making_within_a_full_co
             others = [k for k in job.candidates if k != "fp16"]  # the first of them the fastest
             seconds = {k: (3 + i) * 1e-9 for i, k in enumerate(others)}
             seconds["fp16"] = 2e-9 if job.rows == llama.cpu.PROMPT_ROWS else 4e-9
-            found[job.key] = llama.cpu.Measured(seconds, slowest=seconds, fp16_copy=1e-8)
+            found[job.key] = llama.cpu.Measured(seconds, median=seconds, fp16_copy=1e-8)
         return found
 
     measured = []
@@ -657,10 +657,10 @@ def fastest_but_fp16(layer: CPULinear) -> dict:
 
 def test_a_float16_lead_within_the_spread_of_its_own_timings_makes_no_copy():
     """A one-row lead of 0.2 ns a weight over oneDNN would repay a copy that takes 10 ns a weight to make within
-    1024 steps (20 ns); but where float16's slower round was itself 0.15 ns behind its best, only 0.05 ns of the
+    1024 steps (20 ns); but where float16's median round was itself 0.15 ns behind its best, only 0.05 ns of the
     lead is sure (5 ns over the context): no copy, and one row runs on oneDNN."""
     seconds = {"fp16": 1.0e-10, "onednn": 1.2e-10, "linear": 2e-10}
-    steady = llama.cpu.Measured(seconds, slowest=seconds, fp16_copy=1e-8)
-    unsteady = llama.cpu.Measured(seconds, slowest={**seconds, "fp16": 1.15e-10}, fp16_copy=1e-8)
+    steady = llama.cpu.Measured(seconds, median=seconds, fp16_copy=1e-8)
+    unsteady = llama.cpu.Measured(seconds, median={**seconds, "fp16": 1.15e-10}, fp16_copy=1e-8)
     assert llama.cpu.kernels_for({1: steady}, max_seq_len=1024) == {1: "fp16"}
     assert llama.cpu.kernels_for({1: unsteady}, max_seq_len=1024) == {1: "onednn"}

@@ -76,11 +76,11 @@ def cpuinfo_fields() -> Dict[str, str]:
 @dataclass
 class Measured:
     """What measuring one product at one row count found, in seconds per weight of the sample it ran on: each
-    kernel's fastest and slowest timed round, and for "fp16" the time it takes to make the float16 copy at load
+    kernel's fastest and median timed round, and for "fp16" the time it takes to make the float16 copy at load
     (fbgemm packs a weight on one core, and `make_fp16_copies` packs on as many threads as torch uses)."""
 
     seconds: Dict[str, float]
-    slowest: Dict[str, float]
+    median: Dict[str, float]
     fp16_copy: Optional[float] = None
 
     def fastest(self, leave_out: str = "") -> str:
@@ -94,7 +94,7 @@ class KernelCache:
     chooses from it without measuring. A file that cannot be read, or holds anything else, is ignored (the kernels
     are measured again and the file rewritten); one that cannot be written is skipped."""
 
-    FORMAT = 2
+    FORMAT = 3
 
     def __init__(self):
         root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -123,26 +123,26 @@ class KernelCache:
 
     @staticmethod
     def valid(entry) -> bool:
-        """Whether `entry` is what `put` writes: each kernel's fastest and slowest round (the same kernels), and
+        """Whether `entry` is what `put` writes: each kernel's fastest and median round (the same kernels), and
         perhaps the float16 copy's time, each a finite number of seconds."""
-        if not isinstance(entry, dict) or set(entry) - {"seconds", "slowest", "fp16_copy"}:
+        if not isinstance(entry, dict) or set(entry) - {"seconds", "median", "fp16_copy"}:
             return False
-        seconds, slowest = entry.get("seconds"), entry.get("slowest")
-        if not (isinstance(seconds, dict) and isinstance(slowest, dict) and seconds):
+        seconds, median = entry.get("seconds"), entry.get("median")
+        if not (isinstance(seconds, dict) and isinstance(median, dict) and seconds):
             return False
-        figures = [*seconds.values(), *slowest.values(), entry.get("fp16_copy", 0.0)]
+        figures = [*seconds.values(), *median.values(), entry.get("fp16_copy", 0.0)]
         numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in figures)
-        return numbers and set(seconds) == set(slowest) and set(seconds) <= set(KERNELS)
+        return numbers and set(seconds) == set(median) and set(seconds) <= set(KERNELS)
 
     def key(self, product: str, rows: int, candidates: List[str]) -> str:
         return f"{self.machine} | {product} | {rows} rows | {' '.join(candidates)}"
 
     def get(self, key: str) -> Optional[Measured]:
         entry = self.entries.get(key)
-        return None if entry is None else Measured(entry["seconds"], entry["slowest"], entry.get("fp16_copy"))
+        return None if entry is None else Measured(entry["seconds"], entry["median"], entry.get("fp16_copy"))
 
     def put(self, key: str, measured: Measured) -> None:
-        entry = {"seconds": measured.seconds, "slowest": measured.slowest}
+        entry = {"seconds": measured.seconds, "median": measured.median}
         if measured.fp16_copy is not None:
             entry["fp16_copy"] = measured.fp16_copy
         self.entries[key] = self.measured[key] = entry

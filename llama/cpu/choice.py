@@ -2,6 +2,7 @@
 `KernelCache`); `speed_up_for_cpu` applies it all to a loaded model."""
 
 import logging
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,38 +39,39 @@ from llama.distributed import available_memory
 logger = logging.getLogger(__name__)
 
 PROMPT_ROWS = 256  # the row count a prompt is measured at; inputs of more rows than the batch use its choice
-DECODE_SAMPLE_VALUES = 2**22  # one row and the batch: timed on up to this many weights of a product (from memory)
+DECODE_SAMPLE_VALUES = 2**21  # one row and the batch: timed on up to this many weights of a product (from memory)
 PROMPT_SAMPLE_VALUES = 2**20  # a prompt: fewer, since it is bound by arithmetic rather than by reading the weight
-TIMED_ROUNDS = 2  # after a warm-up round; each kernel's fastest round ranks it, its slowest shows its spread
+TIMED_ROUNDS = 3  # after a warm-up round; each kernel's fastest round ranks it, its median shows its spread
+PROMPT_TIMED_ROUNDS = 2  # a prompt's calls are steadier, and each costs some 20 decode calls
 
 
 def time_kernels(
-    runs: List[Dict[str, Callable[[], object]]], flush: Optional[Callable[[], object]]
+    runs: List[Dict[str, Callable[[], object]]], flush: Optional[Callable[[], object]], rounds: int = TIMED_ROUNDS
 ) -> List[Dict[str, List[float]]]:
-    """For each product (a dict of its kernels' calls), each kernel's time in seconds in each of `TIMED_ROUNDS`
-    rounds, after a warm-up round (where oneDNN builds its primitives and mapped weights are read in). Within a
-    round every product's kernels take turns, so that a slow spell of a shared machine falls on all of them. Each
-    round starts with `flush` (if any), which evicts the caches, since in a decode step each weight comes from
-    memory, the rest of the model having been read since; every kernel of every product runs on weights of its
-    own, so no call brings the next one's weights into the cache, and one flush serves the whole round. A kernel
-    more than twice as slow as its product's best after a round is not timed again."""
+    """For each product (a dict of its kernels' calls), each kernel's time in seconds in each of `rounds` rounds,
+    after a warm-up round (where oneDNN builds its primitives and mapped weights are read in). Within a round every
+    product's kernels take turns, so that a slow spell of a shared machine falls on all of them. Each round starts
+    with `flush` (if any), which evicts the caches, since in a decode step each weight comes from memory, the rest
+    of the model having been read since; every kernel of every product runs on weights of its own, so no call brings
+    the next one's weights into the cache, and one flush serves the whole round. A kernel more than twice as slow as
+    its product's best after a round is not timed again."""
     for product in runs:
         for run in product.values():
             run()
-    rounds = [{kernel: [] for kernel in product} for product in runs]
+    found = [{kernel: [] for kernel in product} for product in runs]
     timed = [list(product) for product in runs]
-    for _ in range(TIMED_ROUNDS):
+    for _ in range(rounds):
         if flush is not None:
             flush()
-        for product, times, kernels in zip(runs, rounds, timed):
+        for product, times, kernels in zip(runs, found, timed):
             for kernel in kernels:
                 start = time.perf_counter()
                 product[kernel]()
                 times[kernel].append(time.perf_counter() - start)
-        for times, kernels in zip(rounds, timed):
+        for times, kernels in zip(found, timed):
             best = {kernel: min(seconds) for kernel, seconds in times.items()}
             kernels[:] = [kernel for kernel in kernels if best[kernel] <= 2 * min(best.values())]
-    return rounds
+    return found
 
 
 def row_counts(max_batch_size: int) -> List[int]:
@@ -149,12 +151,14 @@ def measure(jobs: List[Job], flush: Callable[[], object]) -> Dict[str, Measured]
                 x = torch.randn(rows, width, generator=torch.Generator().manual_seed(0))
                 inputs[width] = x.to(job.layers[0].weight.dtype)
         runs = [kernel_calls(job, samples, inputs[job.layers[0].weight.shape[1]]) for job in group]
-        for job, seconds in zip(group, time_kernels(runs, flush if rows < PROMPT_ROWS else None)):
+        decode = rows < PROMPT_ROWS
+        timings = time_kernels(runs, flush if decode else None, TIMED_ROUNDS if decode else PROMPT_TIMED_ROUNDS)
+        for job, seconds in zip(group, timings):
             values = sum(weight.numel() for weight in weight_sample(job.layers, job.sample_values))
             copy = samples.get((job.name, "fp16", job.sample_values), (None, 0.0))
             found[job.key] = Measured(
                 {kernel: min(times) / values for kernel, times in seconds.items()},
-                {kernel: max(times) / values for kernel, times in seconds.items()},
+                {kernel: statistics.median(times) / values for kernel, times in seconds.items()},
                 copy[1] / values / torch.get_num_threads() if copy[0] is not None else None,
             )
     return found
@@ -193,12 +197,26 @@ def kernels_for(measured: Dict[int, Measured], max_seq_len: int) -> Dict[int, st
 
 def copy_saving(measured: Dict[int, Measured], wins: List[int], max_seq_len: int) -> float:
     """The most a float16 copy saves per weight over one full context at one of the row counts `wins` it wins,
-    counted from its slowest timed round: a lead smaller than the spread of its own timings is no lead."""
+    counted from its median timed round: a lead smaller than the spread of its own timings is no lead."""
     return max(
-        (m.seconds[m.fastest(leave_out="fp16")] - m.slowest["fp16"]) * calls_per_context(rows, max_seq_len)
+        (m.seconds[m.fastest(leave_out="fp16")] - m.median["fp16"]) * calls_per_context(rows, max_seq_len)
         for rows, m in measured.items()
         if rows in wins
     )
+
+
+def cache_flush(model: nn.Module, size: int) -> Callable[[], object]:
+    """A call that reads `size` bytes of the model's own weights (all of them, where it has fewer), evicting the
+    measuring samples from the caches as the rest of the model evicts a weight between its uses in decoding. The
+    weights are read as they lie, so no buffer is allocated for it."""
+    chunks = []
+    for weight in model.parameters():
+        if size <= 0:
+            break
+        if weight.is_contiguous():
+            chunks.append(weight.detach().view(-1).view(torch.uint8)[:size])
+            size -= len(chunks[-1])
+    return lambda: [chunk.max() for chunk in chunks]
 
 
 def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
@@ -230,9 +248,7 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
                 else:
                     jobs.append(Job(name, layers, rows, candidates, key))
         if jobs:
-            flush = torch.ones(last_level_cache_bytes() // 4)
-            found = measure(jobs, flush.sum)
-            del flush
+            found = measure(jobs, cache_flush(model, last_level_cache_bytes()))
             for job in jobs:
                 cache.put(job.key, found[job.key])
                 measured[job.name, job.rows] = found[job.key], "measured"
