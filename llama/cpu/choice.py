@@ -39,7 +39,7 @@ from llama.distributed import available_memory
 logger = logging.getLogger(__name__)
 
 PROMPT_ROWS = 256  # the row count a prompt is measured at; inputs of more rows than the batch use its choice
-DECODE_SAMPLE_VALUES = 2**21  # one row and the batch: timed on up to this many weights of a product (from memory)
+DECODE_SAMPLE_VALUES = 2**22  # one row and the batch: timed on up to this many weights of a product (from memory)
 PROMPT_SAMPLE_VALUES = 2**20  # a prompt: fewer, since it is bound by arithmetic rather than by reading the weight
 TIMED_ROUNDS = 3  # after a warm-up round; each kernel's fastest round ranks it, its median shows its spread
 PROMPT_TIMED_ROUNDS = 2  # a prompt's calls are steadier, and each costs some 20 decode calls
