@@ -9,9 +9,9 @@ run.
     python benchmarks/on_off.py fp16-call --shapes d256 d512 d1024 --pairs 4
 
 The speed-ups:
-- fused: `llama.cpu.FusedProduct`, wq, wk, wv and w1, w3 each run as one product on one shared float16 copy
-  (only where products run on float16 copies: where that kernel measured fastest, or LLAMA_CPU_KERNEL=fp16). Switched
-  off, each layer makes its own copy at its first use.
+- fused: `llama.cpu.FusedProduct`, wq, wk, wv and w1, w3 each run as one product on one shared copy (only where
+  products run on copies: float16 ones, or oneDNN's in bfloat16; where that kernel measured fastest, or
+  LLAMA_CPU_KERNEL=fp16 / onednn pins it). Switched off, each layer makes its own copy at its first use.
 - measured-kernels: each product on the kernels measured at load (`llama.cpu.choose_kernels`) rather than all
   on the `--against` kernel (default `F.linear`, what transformers runs; where that kernel cannot run a product,
   `F.linear`).
@@ -86,7 +86,7 @@ def fused_switch(generator: Llama):
     layers = [m for m in generator.model.modules() if isinstance(m, CPULinear)]
     groups = {layer: layer.fused for layer in layers}
     if not any(groups.values()):
-        sys.exit("No fused products here: they need float16 copies (fbgemm, x86)")
+        sys.exit("No fused products here: they need float16 copies (fbgemm, x86) or oneDNN bfloat16 kernels")
 
     def switch(on: bool) -> None:
         for layer in layers:

@@ -191,8 +191,9 @@ def test_inputs_run_on_the_kernel_chosen_for_their_row_count(process_group, monk
 
 @pytest.mark.skipif(not onednn_bf16_supported(), reason="oneDNN has no bfloat16 kernels for this CPU (no AVX-512)")
 def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_group, tmp_path, monkeypatch):
-    """On the "onednn" kernel, prompts and decode steps of bf16 sequences run on weights packed once for oneDNN:
-    the logits of `F.linear` bit for bit, also after a weight is edited in place or replaced between calls."""
+    """On the "onednn" kernel, prompts and decode steps of bf16 sequences run on weights packed once for oneDNN
+    (wq, wk and wv stacked in one copy, w1 and w3 in another): the logits of `F.linear` bit for bit, also after a
+    weight is edited in place or replaced between calls."""
     monkeypatch.setenv("LLAMA_CPU_KERNEL", "onednn")
     weights = random_weights(GQA_PARAMS, seed=15)
     packed = load_tiny(tmp_path / "packed", weights, torch.bfloat16)
@@ -205,11 +206,12 @@ def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_gr
 
     before = steps(packed)
     assert torch.equal(before, steps(plain))
-    assert all("onednn" in m.packed for m in packed.modules() if isinstance(m, CPULinear))
+    assert all("onednn" in (m.fused or m).packed for m in packed.modules() if isinstance(m, CPULinear))
 
     with torch.no_grad():
         for model in (packed, plain):
             model.layers[1].feed_forward.w2.weight.mul_(-1)
+            model.layers[0].attention.wk.weight.mul_(0.5)  # one of three layers sharing a copy
     after = steps(packed)
     assert not torch.equal(after, before)
     assert torch.equal(after, steps(plain))
@@ -427,12 +429,19 @@ def test_float16_copies_follow_weight_edits(process_group, tmp_path, monkeypatch
     assert attention.wq.fused.packed["fp16"][1] is None
 
 
-@needs_fbgemm
-def test_layers_sharing_a_float16_copy_each_give_their_own_product(process_group, tmp_path, monkeypatch):
-    """wq, wk and wv (and w1, w3) run as one product on one float16 copy of their stacked weights, each taking its
-    share: whatever the order of the calls and whichever inputs they get, each layer gives the product of its
-    own weight with its own input, that of a float16 copy of its weight alone."""
-    monkeypatch.setenv("LLAMA_CPU_KERNEL", "fp16")
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        pytest.param("fp16", marks=needs_fbgemm),
+        pytest.param("onednn", marks=pytest.mark.skipif(not onednn_bf16_supported(), reason="no oneDNN bfloat16")),
+    ],
+)
+def test_layers_sharing_a_copy_each_give_their_own_product(process_group, tmp_path, monkeypatch, kernel):
+    """wq, wk and wv (and w1, w3) run as one product on one copy of their stacked weights (float16 for fbgemm,
+    oneDNN's layout for oneDNN), each taking its share: whatever the order of the calls and whichever inputs they
+    get, each layer gives the product of its own weight with its own input, bit for bit that of its weight's own
+    copy."""
+    monkeypatch.setenv("LLAMA_CPU_KERNEL", kernel)
     model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=21), torch.bfloat16)
     attention, feed_forward = model.layers[0].attention, model.layers[1].feed_forward
     qkv = (attention.wq, attention.wk, attention.wv)
@@ -441,7 +450,9 @@ def test_layers_sharing_a_float16_copy_each_give_their_own_product(process_group
     assert feed_forward.w2.fused is None and model.output.fused is None
 
     def alone(layer, x):
-        return fp16_linear(x, pack_as_fp16(layer.weight))
+        if kernel == "fp16":
+            return fp16_linear(x, pack_as_fp16(layer.weight))
+        return llama.cpu.run_kernel("onednn", x, None, torch.ops.mkldnn._reorder_linear_weight(layer.weight))
 
     generator = torch.Generator().manual_seed(9)
     x, y = (torch.randn(2, 5, GQA_PARAMS["dim"], generator=generator).bfloat16() for _ in range(2))
@@ -638,8 +649,7 @@ def test_a_float16_copy_is_made_only_where_it_repays_its_making_within_a_full_co
     prompt = torch.randint(0, GQA_PARAMS["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(3))
     short(prompt, 0)
     for layer in (m for m in short.modules() if isinstance(m, CPULinear)):
-        assert layer.kernels == fastest_but_fp16(layer) and "fp16" not in layer.packed
-        assert layer.fused is None or not layer.fused.packed
+        assert layer.kernels == fastest_but_fp16(layer) and "fp16" not in (layer.fused or layer).packed
 
     measured.clear()
     long = load_tiny(tmp_path / "long", weights, torch.bfloat16, max_seq_len=20 * llama.cpu.PROMPT_ROWS)

@@ -64,7 +64,7 @@ from llama.cpu.kernels import (
 from llama.cpu.layers import (
     CPULinear,
     FusedProduct,
-    fuse_fp16_products,
+    fuse_products,
     make_fp16_copies,
     product_name,
     products,
@@ -96,7 +96,7 @@ __all__ = [
     "fbgemm_fp16_supported",
     "fp16_linear",
     "fp16_products",
-    "fuse_fp16_products",
+    "fuse_products",
     "holds_bfloat16_values",
     "instruction_caps",
     "kernels_for",

@@ -16,7 +16,6 @@ from llama.cpu.kernels import (
     KERNEL_VARIABLE,
     KERNELS,
     candidate_kernels,
-    fbgemm_fp16_supported,
     fp16_linear,
     holds_bfloat16_values,
     one_position_attention,
@@ -28,7 +27,7 @@ from llama.cpu.kernels import (
 )
 from llama.cpu.layers import (
     CPULinear,
-    fuse_fp16_products,
+    fuse_products,
     make_fp16_copies,
     product_name,
     products,
@@ -94,13 +93,15 @@ def weight_sample(layers: List[CPULinear], max_values: int, part: int = 0) -> Op
 def sample_copy(kernel: str, layers: List[CPULinear], max_values: int) -> Optional[List[torch.Tensor]]:
     """The weights `kernel` runs on in a measurement, in memory of its own (see `time_kernels`): the stacked float16
     copy of the sample for "fp16" (None where float16 cannot hold it), a copy in oneDNN's layout for "onednn" in
-    bfloat16; else a share of the weights' rows that no other kernel reads (`weight_sample`), or a copy of the
-    sample where the weights have no such share."""
+    bfloat16 (stacked where the layers share one: `FusedProduct`); else a share of the weights' rows that no other
+    kernel reads (`weight_sample`), or a copy of the sample where the weights have no such share."""
     weights = weight_sample(layers, max_values)
     if kernel == "fp16":
         copy = pack_as_fp16(*weights)
         return None if copy is None else [copy]
     if kernel == "onednn" and weights[0].dtype != torch.float32:
+        if layers[0].fused is not None:  # one product of the stacked weights, as a fused group runs
+            weights = [torch.cat(weights)]
         return [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in weights]
     return weight_sample(layers, max_values, KERNELS.index(kernel)) or [weight.clone() for weight in weights]
 
@@ -305,8 +306,8 @@ def speed_up_for_cpu(model: nn.Module) -> None:
     use_cpu_linear_layers(model)
     copy_bytes = sum(p.numel() * 2 for p in model.parameters())  # a bfloat16 or float16 copy of every weight
     copies = 2 * copy_bytes <= available_memory()
-    if copies and fbgemm_fp16_supported():
-        fuse_fp16_products(model)
+    if copies:
+        fuse_products(model)
     choose_kernels(model, row_counts(model.params.max_batch_size), copies)
     if weight.dtype == torch.bfloat16 and not onednn_bf16_supported():
         for block in model.layers:

@@ -1,5 +1,5 @@
 """The CPU's linear layers: `CPULinear` runs each row count on the kernel chosen for it, `FusedProduct` runs
-products of one input (wq, wk, wv; w1, w3) as one on float16 copies."""
+products of one input (wq, wk, wv; w1, w3) as one on a shared copy."""
 
 import logging
 import time
@@ -54,7 +54,7 @@ class CPULinear(ParallelLinear):
             raise ValueError("The 'fp16' kernel needs fbgemm's float16 kernels, which this torch build lacks")
         self.kernels = dict(sorted(kernels.items()))
         self.packed = {}  # kernel -> (the weight and its version when copied, the copy)
-        self.fused: Optional[FusedProduct] = None  # for "fp16": a copy shared with layers of the same input
+        self.fused: Optional[FusedProduct] = None  # for kernels on a copy: one shared with layers of the same input
 
     def kernel_for(self, rows: int) -> str:
         return next(
@@ -65,15 +65,14 @@ class CPULinear(ParallelLinear):
         if torch.compiler.is_compiling():  # torch.compile picks its own kernels
             return F.linear(x, self.weight)
         kernel = self.kernel_for(x.numel() // max(1, x.shape[-1]))
-        if kernel == "fp16":
-            if self.fused is not None:
-                y = self.fused.output(self, x)
-            else:
-                packed = self.packed_copy("fp16")
-                y = None if packed is None else fp16_linear(x, packed)
+        on_a_copy = kernel == "fp16" or (kernel == "onednn" and self.weight.dtype != torch.float32)
+        if on_a_copy and self.fused is not None:
+            y = self.fused.output(self, x, kernel)
             return F.linear(x, self.weight) if y is None else y
-        packed = self.packed_copy("onednn") if kernel == "onednn" and self.weight.dtype != torch.float32 else None
-        return run_kernel(kernel, x, self.weight, packed)
+        if kernel == "fp16":
+            packed = self.packed_copy("fp16")
+            return F.linear(x, self.weight) if packed is None else fp16_linear(x, packed)
+        return run_kernel(kernel, x, self.weight, self.packed_copy("onednn") if on_a_copy else None)
 
     def packed_copy(self, kernel: str):
         """The weight's copy for `kernel` (None where `pack_as_fp16` cannot hold it), made again if the weight was
@@ -93,41 +92,45 @@ class CPULinear(ParallelLinear):
 
 
 class FusedProduct:
-    """One float16 copy of the stacked weights of `CPULinear` layers that always take the same input (an attention's
-    wq, wk and wv; a feed-forward's w1 and w3), for their "fp16" kernel: the first layer called with an input
-    computes all their products at once, and the others take their share when called with that same input object
-    (each output column is summed as in a product of its layer alone: the same bits, tested). Fewer, larger
-    products: each fbgemm call costs some 20 to 40 us beyond reading its weight on 2 cores, and a larger weight is
-    read nearer the memory's speed: a few percent, up to some 10% for batches (`benchmarks/on_off.py fused`). The
-    layers keep their own weights and state-dict keys; the copy is made again at its next use when any of them was
-    replaced or edited in place.
+    """One copy of the stacked weights of `CPULinear` layers that always take the same input (an attention's wq, wk
+    and wv; a feed-forward's w1 and w3), for their kernels that run on a copy: "fp16" (fbgemm's float16 copy) and,
+    in bfloat16, "onednn" (oneDNN's blocked layout). The first layer called with an input computes all their
+    products at once, and the others take their share when called with that same input object (each output column
+    is summed as in a product of its layer alone: the same bits, tested). Fewer, larger products: each call costs
+    some 20 to 40 us beyond reading its weight on 2 cores, and a larger weight is read nearer the memory's speed
+    (`benchmarks/on_off.py fused`). The layers keep their own weights and state-dict keys; a copy is made again at
+    its next use when any of them was replaced or edited in place.
     """
 
     def __init__(self, layers: List["CPULinear"]):
         self.layers = layers
-        self.packed = {}  # "fp16" -> (each weight and its version when packed, the packed copy)
-        self.pending = None  # (an input, the outputs for it that layers have not taken yet)
+        self.packed = {}  # kernel -> (each weight and its version when packed, the packed copy)
+        self.pending = None  # (an input, its kernel, the outputs for it that layers have not taken yet)
 
-    def packed_copy(self, kernel: str = "fp16") -> Optional[List[torch.Tensor]]:
-        """The stacked weights' float16 copy (None where float16 cannot hold one of them), made again if one of
-        them was replaced or changed in place since (`unchanged`)."""
+    def packed_copy(self, kernel: str = "fp16"):
+        """The stacked weights' copy for `kernel` (for "fp16", None where float16 cannot hold one of them), made
+        again if one of them was replaced or changed in place since (`unchanged`)."""
         weights = [layer.weight for layer in self.layers]
         if kernel not in self.packed or not unchanged(self.packed[kernel][0], weights):
             self.packed.pop(kernel, None)  # free the old copy first
-            self.packed[kernel] = (with_versions(weights), pack_as_fp16(*weights))
+            if kernel == "fp16":
+                packed = pack_as_fp16(*weights)
+            else:
+                packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights))
+            self.packed[kernel] = (with_versions(weights), packed)
         return self.packed[kernel][1]
 
-    def output(self, layer: "CPULinear", x: torch.Tensor) -> Optional[torch.Tensor]:
-        """`layer`'s product with `x` (None where float16 cannot hold the weights)."""
+    def output(self, layer: "CPULinear", x: torch.Tensor, kernel: str) -> Optional[torch.Tensor]:
+        """`layer`'s product with `x` on `kernel` (None where float16 cannot hold the weights)."""
         pending = self.pending
-        if pending is None or pending[0] is not x or layer not in pending[1]:
-            packed = self.packed_copy()
+        if pending is None or pending[0] is not x or pending[1] != kernel or layer not in pending[2]:
+            packed = self.packed_copy(kernel)
             if packed is None:
                 return None
-            outputs = fp16_linear(x, packed).split([layer.weight.shape[0] for layer in self.layers], dim=-1)
-            self.pending = pending = (x, dict(zip(self.layers, outputs)))
-        output = pending[1].pop(layer)
-        if not pending[1]:
+            outputs = run_kernel(kernel, x, None, packed).split([layer.weight.shape[0] for layer in self.layers], -1)
+            self.pending = pending = (x, kernel, dict(zip(self.layers, outputs)))
+        output = pending[2].pop(layer)
+        if not pending[2]:
             self.pending = None  # every layer has its share: let go of the input
         return output
 
@@ -135,21 +138,26 @@ class FusedProduct:
         return {**self.__dict__, "packed": {}, "pending": None}  # as CPULinear: a copy packs its own
 
 
-def fuse_fp16_products(model: nn.Module) -> None:
-    """Give each attention's wq, wk and wv, and each feed-forward's w1 and w3, one shared float16 copy for their
-    "fp16" kernel (`FusedProduct`), where float16 holds their weights and their stack fits in one packed block: a
-    larger stack is packed in blocks of rows anyway, whose outputs would have to be joined (for Llama 3.2 1B's w1
-    and w3, prompts ran about 4% slower)."""
+def fuse_products(model: nn.Module) -> None:
+    """Give each attention's wq, wk and wv, and each feed-forward's w1 and w3, one shared copy for their kernels
+    that run on a copy (`FusedProduct`). In bfloat16 where oneDNN has bfloat16 kernels, every such group: oneDNN
+    runs on a copy anyway. Elsewhere only for "fp16", where float16 holds their weights and their stack fits in one
+    packed block: a larger stack is packed in blocks of rows anyway, whose outputs would have to be joined (for
+    Llama 3.2 1B's w1 and w3, prompts ran about 4% slower)."""
     for block in model.layers:
         for group in (
             [block.attention.wq, block.attention.wk, block.attention.wv],
             [block.feed_forward.w1, block.feed_forward.w3],
         ):
-            if (
-                all(isinstance(layer, CPULinear) for layer in group)
+            if not all(isinstance(layer, CPULinear) for layer in group):
+                continue
+            onednn = group[0].weight.dtype == torch.bfloat16 and onednn_bf16_supported()
+            fp16 = (
+                fbgemm_fp16_supported()
                 and sum(layer.weight.numel() for layer in group) <= FP16_BLOCK_VALUES
                 and all(holds_bfloat16_values(layer.weight) for layer in group)
-            ):
+            )
+            if onednn or fp16:
                 fused = FusedProduct(group)
                 for layer in group:
                     layer.fused = fused
