@@ -84,7 +84,8 @@ class Measured:
     fp16_copy: Optional[float] = None
 
     def fastest(self, leave_out: str = "") -> str:
-        return min((kernel for kernel in self.seconds if kernel != leave_out), key=self.seconds.get)
+        """The kernel (but `leave_out`) of the shortest median round."""
+        return min((kernel for kernel in self.median if kernel != leave_out), key=self.median.get)
 
 
 class KernelCache:

@@ -40,7 +40,9 @@ logger = logging.getLogger(__name__)
 PROMPT_ROWS = 256  # the row count a prompt is measured at; inputs of more rows than the batch use its choice
 DECODE_SAMPLE_VALUES = 2**22  # one row and the batch: timed on up to this many weights of a product (from memory)
 PROMPT_SAMPLE_VALUES = 2**20  # a prompt: fewer, since it is bound by arithmetic rather than by reading the weight
-TIMED_ROUNDS = 3  # after a warm-up round; each kernel's fastest round ranks it, its median shows its spread
+# Timed rounds, after a warm-up one: each kernel ranks by its median round, what decoding meets step after step (a
+# lucky round once put 1B's head on a kernel 20% slower); a float16 copy must lead the other kernels' fastest round.
+TIMED_ROUNDS = 5
 PROMPT_TIMED_ROUNDS = 2  # a prompt's calls are steadier, and each costs some 20 decode calls
 
 
@@ -198,7 +200,8 @@ def kernels_for(measured: Dict[int, Measured], max_seq_len: int) -> Dict[int, st
 
 def copy_saving(measured: Dict[int, Measured], wins: List[int], max_seq_len: int) -> float:
     """The most a float16 copy saves per weight over one full context at one of the row counts `wins` it wins,
-    counted from its median timed round: a lead smaller than the spread of its own timings is no lead."""
+    counted from its median timed round against the other kernel's fastest: a lead smaller than the spread of the
+    timings is no lead."""
     return max(
         (m.seconds[m.fastest(leave_out="fp16")] - m.median["fp16"]) * calls_per_context(rows, max_seq_len)
         for rows, m in measured.items()
@@ -257,7 +260,7 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
         timings = {rows: m for (product, rows), (m, _) in measured.items() if product == name}
         for rows, kernel in kernels_for(timings, model.params.max_seq_len).items():
             m, how = measured[name, rows]
-            figures = ", ".join(f"{k} {t * 1e9:.3g}" for k, t in m.seconds.items())
+            figures = ", ".join(f"{k} {t * 1e9:.3g}" for k, t in m.median.items())
             chosen[name][rows] = kernel, f"{how}: {figures} ms per million weights"
         for rows, (kernel, how) in chosen[name].items():
             logger.info("CPU kernel for %s, %d rows: %s (%s)", name, rows, kernel, how)
