@@ -3,9 +3,10 @@
 Which kernel is fastest depends on the CPU (AVX2 or AVX-512, bfloat16 instructions or not), the torch build, the
 shape and the number of rows, so it is measured here rather than guessed from CPU flags: at load, for each product
 shape and the row counts that matter (one row, the batch, a prompt), the kernels that keep the math
-(`candidate_kernels`) are timed (`time_kernels`) and the fastest is kept, but for a float16 copy that would not
-repay the time to make it within one full context (`kernels_for`); what was measured is cached per CPU, torch
-version and shape (`KernelCache`), so a later load does not measure again. `LLAMA_CPU_KERNEL` pins one kernel.
+(`candidate_kernels`) are timed (`time_kernels`) and the one of the shortest median round is kept, but for a
+float16 copy that would not repay the time to make it within one full context (`kernels_for`); what was measured
+is cached per CPU, torch version and shape (`KernelCache`), so a later load does not measure again.
+`LLAMA_CPU_KERNEL` pins one kernel.
 
 Every kernel keeps the reference math: only the order in which the float32 products are summed changes, and on
 float16 copies of weights that hold bfloat16 values (`pack_as_fp16`: bfloat16 weights, or float32 ones from a
