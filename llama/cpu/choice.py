@@ -209,20 +209,6 @@ def copy_saving(measured: Dict[int, Measured], wins: List[int], max_seq_len: int
     )
 
 
-def cache_flush(model: nn.Module, size: int) -> Callable[[], object]:
-    """A call that reads `size` bytes of the model's own weights (all of them, where it has fewer), evicting the
-    measuring samples from the caches as the rest of the model evicts a weight between its uses in decoding. The
-    weights are read as they lie, so no buffer is allocated for it."""
-    chunks = []
-    for weight in model.parameters():
-        if size <= 0:
-            break
-        if weight.is_contiguous():
-            chunks.append(weight.detach().view(-1).view(torch.uint8)[:size])
-            size -= len(chunks[-1])
-    return lambda: [chunk.max() for chunk in chunks]
-
-
 def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
     """Set each `CPULinear`'s kernels for `counts` rows: pinned by `LLAMA_CPU_KERNEL` (where that kernel can run
     the product: else `F.linear`), or chosen by `kernels_for` from what measuring `candidate_kernels` found, from
@@ -252,7 +238,12 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
                 else:
                     jobs.append(Job(name, layers, rows, candidates, key))
         if jobs:
-            found = measure(jobs, cache_flush(model, last_level_cache_bytes()))
+            # Read before each round: a buffer the size of the last-level cache that no sample shares. (Reading the
+            # model's weights instead would bring `F.linear`'s and `torch.mv`'s samples, rows of those weights, into
+            # the cache wherever the model is smaller than it.)
+            flush = torch.ones(last_level_cache_bytes() // 4)
+            found = measure(jobs, flush.sum)
+            del flush
             for job in jobs:
                 cache.put(job.key, found[job.key])
                 measured[job.name, job.rows] = found[job.key], "measured"
