@@ -60,6 +60,7 @@ from llama.cpu.kernels import (
     pinned_kernel,
     run_kernel,
     unchanged,
+    weight_copy,
     with_versions,
 )
 from llama.cpu.layers import (
@@ -118,5 +119,6 @@ __all__ = [
     "unchanged",
     "use_cpu_linear_layers",
     "weight_sample",
+    "weight_copy",
     "with_versions",
 ]

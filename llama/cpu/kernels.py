@@ -71,6 +71,15 @@ def pack_as_fp16(*weights: torch.Tensor) -> Optional[List[torch.Tensor]]:
     return packed
 
 
+def weight_copy(kernel: str, *weights: torch.Tensor):
+    """The copy `kernel` runs on of `weights` stacked by rows (one weight, or the weights of layers that share an
+    input): fbgemm's float16 blocks for "fp16" (None where float16 cannot hold them: `pack_as_fp16`), oneDNN's
+    blocked layout for "onednn" (bfloat16 weights)."""
+    if kernel == "fp16":
+        return pack_as_fp16(*weights)
+    return torch.ops.mkldnn._reorder_linear_weight(weights[0] if len(weights) == 1 else torch.cat(weights))
+
+
 def fp16_products(rows: torch.Tensor, packed: List[torch.Tensor]) -> List[torch.Tensor]:
     """fbgemm's product of float32 `rows` with each block of a packed float16 weight.
 

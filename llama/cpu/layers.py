@@ -18,9 +18,9 @@ from llama.cpu.kernels import (
     fp16_linear,
     holds_bfloat16_values,
     onednn_bf16_supported,
-    pack_as_fp16,
     run_kernel,
     unchanged,
+    weight_copy,
     with_versions,
 )
 from llama.distributed import global_rank
@@ -79,11 +79,7 @@ class CPULinear(ParallelLinear):
         replaced or changed in place since (`unchanged`)."""
         if kernel not in self.packed or not unchanged(self.packed[kernel][0], [self.weight]):
             self.packed.pop(kernel, None)  # free the old copy first
-            if kernel == "fp16":
-                packed = pack_as_fp16(self.weight)
-            else:
-                packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
-            self.packed[kernel] = (with_versions([self.weight]), packed)
+            self.packed[kernel] = (with_versions([self.weight]), weight_copy(kernel, self.weight))
         return self.packed[kernel][1]
 
     def __getstate__(self):
@@ -113,11 +109,7 @@ class FusedProduct:
         weights = [layer.weight for layer in self.layers]
         if kernel not in self.packed or not unchanged(self.packed[kernel][0], weights):
             self.packed.pop(kernel, None)  # free the old copy first
-            if kernel == "fp16":
-                packed = pack_as_fp16(*weights)
-            else:
-                packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat(weights))
-            self.packed[kernel] = (with_versions(weights), packed)
+            self.packed[kernel] = (with_versions(weights), weight_copy(kernel, *weights))
         return self.packed[kernel][1]
 
     def output(self, layer: "CPULinear", x: torch.Tensor, kernel: str) -> Optional[torch.Tensor]:
