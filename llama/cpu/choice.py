@@ -21,9 +21,9 @@ from llama.cpu.kernels import (
     one_position_attention,
     onednn_bf16_supported,
     onednn_supported,
-    pack_as_fp16,
     pinned_kernel,
     run_kernel,
+    weight_copy,
 )
 from llama.cpu.layers import (
     CPULinear,
@@ -99,12 +99,12 @@ def sample_copy(kernel: str, layers: List[CPULinear], max_values: int) -> Option
     kernel reads (`weight_sample`), or a copy of the sample where the weights have no such share."""
     weights = weight_sample(layers, max_values)
     if kernel == "fp16":
-        copy = pack_as_fp16(*weights)
+        copy = weight_copy("fp16", *weights)
         return None if copy is None else [copy]
     if kernel == "onednn" and weights[0].dtype != torch.float32:
-        if layers[0].fused is not None:  # one product of the stacked weights, as a fused group runs
-            weights = [torch.cat(weights)]
-        return [torch.ops.mkldnn._reorder_linear_weight(weight) for weight in weights]
+        # One product of the stacked weights where the layers share a copy, as they run; else one per layer.
+        groups = [weights] if layers[0].fused is not None else [[weight] for weight in weights]
+        return [weight_copy("onednn", *group) for group in groups]
     return weight_sample(layers, max_values, KERNELS.index(kernel)) or [weight.clone() for weight in weights]
 
 
@@ -233,8 +233,8 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
                     chosen[name][rows] = kernel, f"pinned by {KERNEL_VARIABLE}={pinned}"
                 elif len(candidates) == 1:
                     chosen[name][rows] = candidates[0], "the only candidate"
-                elif cache.get(key) is not None:
-                    measured[name, rows] = cache.get(key), f"from {cache.path}"
+                elif (cached := cache.get(key)) is not None:
+                    measured[name, rows] = cached, f"from {cache.path}"
                 else:
                     jobs.append(Job(name, layers, rows, candidates, key))
         if jobs:
