@@ -243,7 +243,8 @@ class Attention(nn.Module):
             # kv head attend as n_rep rows of one head instead. The same scores, nothing copied.
             grouped = xq.reshape(bsz, self.n_local_kv_heads, self.n_rep, self.head_dim)
             output = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-            output = output.view(bsz, self.n_local_heads, 1, self.head_dim)
+            # reshape, not view: CUDA's kernels store their output as (bsz, n_rep, n_local_kv_heads, head_dim).
+            output = output.reshape(bsz, self.n_local_heads, 1, self.head_dim)
         else:
             output = F.scaled_dot_product_attention(
                 xq, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1, enable_gqa=self.n_rep > 1

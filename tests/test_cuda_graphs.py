@@ -97,6 +97,21 @@ def test_grouped_heads_attend_as_the_reference_does(process_group, tmp_path):
     assert (got - expected).abs().max() < ATOL
 
 
+def test_grouped_heads_take_any_memory_order_of_the_attention_output(process_group, tmp_path, monkeypatch):
+    """CUDA's attention kernels return (batch, heads, positions, head_dim) stored as (batch, positions, heads,
+    head_dim); the grouped heads must be read back in either order (this once failed every batch above 1 there)."""
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=23), torch.float32)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(5))
+    expected = steps_through(model.decode_step, model, tokens, prompt_len=6)
+    attention = torch.nn.functional.scaled_dot_product_attention
+
+    def stored_as_on_cuda(*args, **kwargs):
+        return attention(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", stored_as_on_cuda)
+    assert torch.equal(steps_through(model.decode_step, model, tokens, prompt_len=6), expected)
+
+
 def test_graphs_are_used_on_one_cuda_process_unless_turned_off():
     assert use_cuda_graphs(torch.device("cuda", 0), 1, requested=True)
     assert not use_cuda_graphs(torch.device("cuda", 0), 1, requested=False)
