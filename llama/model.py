@@ -238,12 +238,11 @@ class Attention(nn.Module):
         if seqlen == 1 and mask is None and self.one_position_attention is not None:
             output = self.one_position_attention(xq, keys, values)
         elif seqlen == 1 and mask is not None and self.n_rep > 1:
-            # One new position over the whole cache (decode_step): the kernels that take a mask cannot share kv
-            # heads (with enable_gqa they fall back to copying them n_rep times), so the n_rep query heads of each
-            # kv head attend as n_rep rows of one head instead. The same scores, nothing copied.
+            # One new position over the whole cache (decode_step): masked kernels cannot share kv heads (enable_gqa
+            # copies them n_rep times), so each kv head's n_rep query heads attend as n_rep rows of one head: the
+            # same scores, nothing copied. CUDA's kernels return those rows transposed in memory, hence reshape.
             grouped = xq.reshape(bsz, self.n_local_kv_heads, self.n_rep, self.head_dim)
             output = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-            # reshape, not view: CUDA's kernels store their output as (bsz, n_rep, n_local_kv_heads, head_dim).
             output = output.reshape(bsz, self.n_local_heads, 1, self.head_dim)
         else:
             output = F.scaled_dot_product_attention(
