@@ -1,17 +1,17 @@
-import os
 import sys
 from typing import List
 
-from llama import Dialog, Llama, cli
+from llama import Dialog, Llama, command_line
 from llama.chat import run_chat
 from llama.decoding import check_sampling
+from llama.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 
 def main(
     ckpt_dir: str,
     tokenizer_path: str = None,
-    temperature: float = 0.6,
-    top_p: float = 0.9,
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_p: float = DEFAULT_TOP_P,
     max_seq_len: int = 512,
     max_batch_size: int = 4,
     max_gen_len: int = None,
@@ -82,10 +82,9 @@ def main(
     if system_prompt is not None and not interactive:
         raise ValueError("system_prompt is for the terminal chat only; add interactive, or leave it out")
     if not interactive:
-        cli.check_prompts_fit(ckpt_dir, tokenizer_path, dialogs, max_seq_len, max_batch_size)
-    if int(os.environ.get("RANK", "0")) > 0:
-        # Every rank computes the same replies; only the first one prints them.
-        sys.stdout = open(os.devnull, "w")
+        command_line.check_prompts_fit(ckpt_dir, tokenizer_path, dialogs, max_seq_len, max_batch_size)
+    # Every rank computes the same replies; only the first one prints them.
+    sys.stdout = command_line.rank0_stream(sys.stdout)
 
     generator = Llama.build(
         ckpt_dir=ckpt_dir,
@@ -118,4 +117,4 @@ def main(
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    command_line.run(main)

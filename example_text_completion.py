@@ -1,16 +1,16 @@
-import os
 import sys
 from typing import List
 
-from llama import Llama, cli
+from llama import Llama, command_line
 from llama.decoding import check_sampling
+from llama.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 
 def main(
     ckpt_dir: str,
     tokenizer_path: str = None,
-    temperature: float = 0.6,
-    top_p: float = 0.9,
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_p: float = DEFAULT_TOP_P,
     max_seq_len: int = 128,
     max_gen_len: int = 64,
     max_batch_size: int = 4,
@@ -60,10 +60,9 @@ def main(
         "bread =>",
     ]
     check_sampling(temperature, top_p, max_gen_len)  # before the minutes a load can take
-    cli.check_prompts_fit(ckpt_dir, tokenizer_path, prompts, max_seq_len, max_batch_size)
-    if int(os.environ.get("RANK", "0")) > 0:
-        # Every rank computes the same completions; only the first one prints them.
-        sys.stdout = open(os.devnull, "w")
+    command_line.check_prompts_fit(ckpt_dir, tokenizer_path, prompts, max_seq_len, max_batch_size)
+    # Every rank computes the same completions; only the first one prints them.
+    sys.stdout = command_line.rank0_stream(sys.stdout)
 
     generator = Llama.build(
         ckpt_dir=ckpt_dir,
@@ -91,4 +90,4 @@ def main(
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    command_line.run(main)

@@ -1,20 +1,26 @@
 import ast
 import operator
-import os
 import sys
 from datetime import datetime, timedelta, timezone
 
-from llama import ChatFormat, Llama, cli
+from llama import ChatFormat, Llama, command_line
 from llama.decoding import check_sampling
+from llama.sampling import DEFAULT_TOP_P
 from llama.tools import TOOL_PROMPT_FORMATS, Tool, chat_with_tools, tool_messages
 
 # The calculator's operators. The expression is parsed, never evaluated by Python: only numbers and these operators
 # are read, so a model cannot run code through it.
 OPERATORS = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-    ast.USub: operator.neg, ast.UAdd: operator.pos,
-}  # fmt: skip
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 def calculate(expression: str) -> str:
@@ -78,7 +84,7 @@ def main(
     tool_format: str = "json",
     tokenizer_path: str = None,
     temperature: float = 0.0,
-    top_p: float = 0.9,
+    top_p: float = DEFAULT_TOP_P,
     max_seq_len: int = 2048,
     max_gen_len: int = None,
     max_rounds: int = 4,
@@ -114,9 +120,9 @@ def main(
     if tool_format not in TOOL_PROMPT_FORMATS:
         raise ValueError(f"tool_format must be one of {', '.join(TOOL_PROMPT_FORMATS)}; got {tool_format!r}")
     opening = tool_messages(TOOLS, tool_format=tool_format) + [{"role": "user", "content": question}]
-    cli.check_prompts_fit(ckpt_dir, tokenizer_path, [opening], max_seq_len, 1)
-    if int(os.environ.get("RANK", "0")) > 0:
-        sys.stdout = open(os.devnull, "w")  # every rank computes the same answers; only the first one prints
+    command_line.check_prompts_fit(ckpt_dir, tokenizer_path, [opening], max_seq_len, 1)
+    # Every rank computes the same answers; only the first one prints them.
+    sys.stdout = command_line.rank0_stream(sys.stdout)
 
     generator = Llama.build(
         ckpt_dir=ckpt_dir,
@@ -151,4 +157,4 @@ def main(
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    command_line.run(main)

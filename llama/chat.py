@@ -19,6 +19,7 @@ import torch.distributed as dist
 from llama.chat_input import BLOCK, CONTINUED, LineEditor, closest_command, load_dialog, read_message, save_dialog
 from llama.generation import Llama
 from llama.progress import Stopwatch
+from llama.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.tokenizer import Message
 
 T = TypeVar("T")
@@ -63,15 +64,15 @@ class ChatSession:
         self,
         generator: Llama,
         system_prompt: Optional[str] = None,
-        temperature: float = 0.6,
-        top_p: float = 0.9,
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
         max_gen_len: Optional[int] = None,
         out: Optional[TextIO] = None,
     ):
         self.generator = generator
         self.system_prompt = system_prompt
         self.temperature, self.top_p, self.max_gen_len = temperature, top_p, max_gen_len
-        self.out = out or sys.stdout  # looked up now: ranks > 0 have a silenced stdout
+        self.out = out or sys.stdout  # looked up now, not when `ChatSession` was defined
         self.history: List[Message] = []
         self.reset()
 
@@ -170,14 +171,16 @@ def read_line(prompt: str, input_fn: Callable[[str], str], group) -> str:
 def run_chat(
     generator: Llama,
     system_prompt: Optional[str] = None,
-    temperature: float = 0.6,
-    top_p: float = 0.9,
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_p: float = DEFAULT_TOP_P,
     max_gen_len: Optional[int] = None,
     input_fn: Optional[Callable[[str], str]] = None,
     out: Optional[TextIO] = None,
 ) -> None:
     """Run the interactive chat until /exit or end of input. Lines are read with `input_fn`, by default `input` with
-    line editing and history where the terminal allows (`llama.chat_input.LineEditor`)."""
+    line editing and history where the terminal allows (`llama.chat_input.LineEditor`). The chat is written to `out`
+    (default: stdout); under torchrun, where every rank computes the same answers, pass
+    `llama.command_line.rank0_stream(sys.stdout)` so that they are shown once."""
     out = out or sys.stdout
     group = dist.new_group(backend="gloo", timeout=INPUT_TIMEOUT) if dist.get_world_size() > 1 else None
     if input_fn is None:
@@ -249,9 +252,3 @@ def loading(path: str):
         return load_dialog(path)
     except ValueError as e:
         return str(e)
-
-
-if __name__ == "__main__":  # python -m llama.chat CKPT_DIR ...: the same as `llama chat CKPT_DIR ...`
-    from llama.commands import main
-
-    main(["chat", *sys.argv[1:]])

@@ -20,8 +20,9 @@ import sys
 from typing import List, Optional
 
 from llama import __version__
-from llama.cli import check_prompts_fit, ends_on_ctrl_c, fail, user_errors
+from llama.command_line import check_prompts_fit, ends_on_ctrl_c, fail, rank0_stream, user_errors
 from llama.logs import show_logs
+from llama.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 PROG = "llama"
 
@@ -32,12 +33,12 @@ DELEGATED = {
     "demo": ("llama.demo", "write a small random-weight checkpoint with the real tokenizer, to try things on"),
 }
 
-# Every flag of `chat` and `complete`: a message from the library that names one (`max_seq_len=...`) is shown with it
-# as a flag (`--max_seq_len`), and `--max-seq-len` is read as `--max_seq_len`.
-FLAGS = [
-    "tokenizer_path", "max_seq_len", "max_batch_size", "max_gen_len", "temperature", "top_p", "seed", "device",
-    "dtype", "quantize", "compile", "nocuda_graphs", "verbose", "system_prompt",
-]  # fmt: skip
+
+CHAT_HELP = (
+    "Chat with an Instruct model. Type /help in the chat for its commands; a line ending in \\ or a block between "
+    '""" lines is one message. Ctrl-C stops an answer; at the prompt, Ctrl-C or Ctrl-D ends the chat.'
+)
+COMPLETE_HELP = "Continue PROMPT (or what stdin holds) with a base model; the new text streams to stdout."
 
 
 def add_model_flags(parser: argparse.ArgumentParser, max_gen_len: Optional[int]) -> None:
@@ -48,8 +49,12 @@ def add_model_flags(parser: argparse.ArgumentParser, max_gen_len: Optional[int])
     parser.add_argument("--max_batch_size", type=int, default=1, help="rows of the KV cache (default 1)")
     default = "no limit but max_seq_len" if max_gen_len is None else max_gen_len
     parser.add_argument("--max_gen_len", type=int, default=max_gen_len, help=f"most new tokens (default {default})")
-    parser.add_argument("--temperature", type=float, default=0.6, help="0 is greedy (default 0.6)")
-    parser.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling threshold (default 0.9)")
+    parser.add_argument(
+        "--temperature", type=float, default=DEFAULT_TEMPERATURE, help=f"0 is greedy (default {DEFAULT_TEMPERATURE})"
+    )
+    parser.add_argument(
+        "--top_p", type=float, default=DEFAULT_TOP_P, help=f"nucleus sampling threshold (default {DEFAULT_TOP_P})"
+    )
     parser.add_argument("--seed", type=int, default=1, help="seed for sampling (default 1)")
     parser.add_argument("--device", help="cuda, cuda:N, cpu or mps (default: CUDA if present, else the CPU)")
     parser.add_argument("--dtype", help="bfloat16, float16 or float32 (default: by device and checkpoint)")
@@ -84,11 +89,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-CHAT_HELP = (
-    "Chat with an Instruct model. Type /help in the chat for its commands; a line ending in \\ or a block between "
-    '""" lines is one message. Ctrl-C stops an answer; at the prompt, Ctrl-C or Ctrl-D ends the chat.'
-)
-COMPLETE_HELP = "Continue PROMPT (or what stdin holds) with a base model; the new text streams to stdout."
+def long_flags(parser: argparse.ArgumentParser) -> List[str]:
+    """The `--flags` of `parser` and of its commands, each once and without its dashes (`max_seq_len`,
+    `nocuda_graphs`); -h and -V, which no message of the library names, are left out."""
+    names = []
+    for action in parser._actions:  # argparse lists a parser's arguments nowhere public
+        if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            continue
+        names += [option[2:] for option in action.option_strings if option.startswith("--")]
+        if isinstance(action, argparse._SubParsersAction):
+            for command_parser in action.choices.values():
+                names += long_flags(command_parser)
+    return list(dict.fromkeys(names))
+
+
+# Every flag of `chat` and `complete`: a message from the library that names one (`max_seq_len=...`) is shown with it
+# as a flag (`--max_seq_len`), and `--max-seq-len` is read as `--max_seq_len`.
+FLAGS = long_flags(build_parser())
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -144,22 +161,25 @@ def run_delegated(command: str, argv: List[str]) -> None:
 
 def load(args: argparse.Namespace, prompts: Optional[List[str]] = None):
     """Check what can be checked without the weights, then build the Llama and say what was loaded (stderr)."""
-    from llama.decoding import check_sampling
+    from llama.checks import check_sampling
     from llama.generation import Llama
 
     check_sampling(args.temperature, args.top_p, args.max_gen_len)
     if prompts is not None:
         check_prompts_fit(args.ckpt_dir, args.tokenizer_path, prompts, args.max_seq_len, args.max_batch_size)
-    first_process = os.environ.get("RANK", "0") == "0"
-    if not first_process:
-        sys.stdout = open(os.devnull, "w")  # every process computes the same text; the first one shows it
     generator = Llama.build(
-        args.ckpt_dir, args.tokenizer_path, args.max_seq_len, args.max_batch_size, seed=args.seed,
-        device=args.device, dtype=args.dtype, compile=args.compile, quantize=args.quantize,
+        args.ckpt_dir,
+        args.tokenizer_path,
+        args.max_seq_len,
+        args.max_batch_size,
+        seed=args.seed,
+        device=args.device,
+        dtype=args.dtype,
+        compile=args.compile,
+        quantize=args.quantize,
         cuda_graphs=args.cuda_graphs,
-    )  # fmt: skip
-    if first_process:
-        print(generator.load_report, file=sys.stderr, flush=True)
+    )
+    print(generator.load_report, file=rank0_stream(sys.stderr), flush=True)
     return generator
 
 
@@ -167,7 +187,8 @@ def chat(args: argparse.Namespace) -> None:
     from llama.chat import run_chat
 
     generator = load(args)
-    run_chat(generator, args.system_prompt, args.temperature, args.top_p, args.max_gen_len)
+    out = rank0_stream(sys.stdout)  # every process computes the same answers; the first one shows them
+    run_chat(generator, args.system_prompt, args.temperature, args.top_p, args.max_gen_len, out=out)
 
 
 def complete(args: argparse.Namespace) -> None:
@@ -183,15 +204,15 @@ def complete(args: argparse.Namespace) -> None:
     if not prompt:
         raise ValueError("The prompt is empty; give it as an argument or on stdin")
     generator = load(args, [prompt])
+    out = rank0_stream(sys.stdout)  # every process computes the same text; the first one shows it
     stopwatch = Stopwatch(generator.decoder)
     n_tokens = 0
     try:
         for chunk in generator.text_completion_stream([prompt], args.temperature, args.top_p, args.max_gen_len):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
+            out.write(chunk.text)
+            out.flush()
             n_tokens = chunk.n_tokens
     finally:  # the text ends its line, also when Ctrl-C cuts it short
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-    if os.environ.get("RANK", "0") == "0":
-        print(stopwatch.speed(n_tokens), file=sys.stderr)
+        out.write("\n")
+        out.flush()
+    print(stopwatch.speed(n_tokens), file=rank0_stream(sys.stderr))

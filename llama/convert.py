@@ -40,7 +40,7 @@ from llama.checkpoint import (
     write_meta_checkpoint,
 )
 from llama.checkpoint.report import weights_bar
-from llama.cli import ends_on_ctrl_c, user_errors
+from llama.command_line import ends_on_ctrl_c, user_errors
 from llama.quantize import (
     DEFAULT_GROUP_SIZE,
     SAVED_DTYPE,

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 import torch
 
 from llama.checkpoint import check_model_parallel_size, full_shapes, write_meta_checkpoint
-from llama.cli import ends_on_ctrl_c, user_errors
+from llama.command_line import ends_on_ctrl_c, user_errors
 from llama.model import ModelArgs
 
 DEMO_PARAMS = {

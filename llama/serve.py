@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from llama.cli import user_errors
+from llama.command_line import rank0_stream, user_errors
 
 INSTALL = "pip install 'llama3[serve]' (from a checkout: pip install -e '.[serve]')"
 
@@ -83,20 +83,30 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
 
     with user_errors(vars(args)):
         generator = Llama.build(
-            args.ckpt_dir, args.tokenizer_path, args.max_seq_len, args.max_batch_size,
-            device=args.device, dtype=args.dtype, compile=args.compile, quantize=args.quantize,
-        )  # fmt: skip
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(generator.load_report, file=sys.stderr, flush=True)
+            args.ckpt_dir,
+            args.tokenizer_path,
+            args.max_seq_len,
+            args.max_batch_size,
+            device=args.device,
+            dtype=args.dtype,
+            compile=args.compile,
+            quantize=args.quantize,
+        )
+    print(generator.load_report, file=rank0_stream(sys.stderr), flush=True)
     channel = PlanChannel() if dist.is_initialized() and dist.get_world_size() > 1 else None
     decode_step = generator.decoder.decode_step  # compiled, or CUDA graphs; None: the eager step
     if channel is not None and dist.get_rank() > 0:
         follow_plans(generator.model, decode_step, channel)
         return
     engine = Engine(
-        generator.model, generator.tokenizer, decode_step, args.max_queue, args.prefill_chunk,
-        fixed_batch=args.compile, channel=channel,
-    )  # fmt: skip
+        generator.model,
+        generator.tokenizer,
+        decode_step,
+        args.max_queue,
+        args.prefill_chunk,
+        fixed_batch=args.compile,
+        channel=channel,
+    )
     name = args.model_name or Path(args.ckpt_dir).resolve().name
     app = create_app(Service(engine, generator.tokenizer, name), args.api_key)
     print(f"Serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)

@@ -2,6 +2,7 @@
 `llama` script runs): its help and version, each subcommand's flags, mistakes reported before anything loads, the
 text it streams, and the chat on pipes and on a pseudo-terminal (line editing, history, Ctrl-C)."""
 
+import ast
 import inspect
 import json
 import os
@@ -31,8 +32,13 @@ def env(**extra) -> dict:
 def llama_command(*args, input=None, timeout=300, **extra_env) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "llama", *map(str, args)],
-        cwd=ROOT, input=input, capture_output=True, text=True, timeout=timeout, env=env(**extra_env),
-    )  # fmt: skip
+        cwd=ROOT,
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env(**extra_env),
+    )
 
 
 def example(script, *args, timeout=300) -> subprocess.CompletedProcess:
@@ -84,13 +90,20 @@ def test_the_console_script_is_declared_and_runs_the_same_main(monkeypatch):
     assert runpy.run_path(str(ROOT / "llama" / "__main__.py"))["main"] is main  # python -m llama
 
 
-def test_the_modules_that_did_nothing_run_the_command():
-    """`python -m llama.chat` and `python -m llama.cli` once exited 0 doing nothing."""
-    assert llama_command("-h").stdout == (
-        subprocess.run([sys.executable, "-m", "llama.cli", "-h"], cwd=ROOT, capture_output=True, text=True).stdout
-    )
-    chat = subprocess.run([sys.executable, "-m", "llama.chat", "-h"], cwd=ROOT, capture_output=True, text=True)
-    assert chat.returncode == 0 and chat.stdout.startswith("usage: llama chat ")
+def test_only_the_documented_modules_run_as_programs():
+    """`python -m llama`, `llama.serve`, `llama.demo` and `llama.convert` are the package's programs; every other
+    module is a library module, which a `__main__` block would import a second time (and import back in a circle)."""
+    programs = set()
+    for path in (ROOT / "llama").rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
+                programs.add(path.relative_to(ROOT).as_posix())
+    assert programs == {"llama/__main__.py", "llama/serve.py", "llama/demo.py", "llama/convert.py"}
+    for module in ("llama.serve", "llama.demo", "llama.convert"):
+        shown = subprocess.run(
+            [sys.executable, "-m", module, "-h"], cwd=ROOT, capture_output=True, text=True, env=env()
+        )
+        assert shown.returncode == 0 and shown.stdout.startswith("usage: "), shown.stderr
 
 
 def test_help_lists_every_command():
@@ -129,11 +142,13 @@ def test_serve_convert_and_demo_are_their_own_command_lines():
     "args, message",
     [
         (["no/such/folder", "Hi"], "error: Checkpoint directory no/such/folder does not exist\n"),
-        (["x", "Hi", "--temperature", "-1"],
-         "error: --temperature must be a finite number >= 0 (0 means greedy), got -1.0\n"),
+        (
+            ["x", "Hi", "--temperature", "-1"],
+            "error: --temperature must be a finite number >= 0 (0 means greedy), got -1.0\n",
+        ),
         (["x", "Hi", "--top_p", "2"], "error: --top_p must be a number in (0, 1], got 2.0\n"),
     ],
-)  # fmt: skip
+)
 def test_a_mistake_is_one_line_naming_the_flag(args, message):
     result = llama_command("complete", *args)
     assert (result.returncode, result.stdout, result.stderr) == (2, "", message)
@@ -159,10 +174,8 @@ def test_flags_may_be_spelt_with_dashes():
 
 
 def test_a_prompt_too_long_is_refused_before_the_weights_load(unloadable_checkpoint, tokenizer_path):
-    result = llama_command(
-        "complete", unloadable_checkpoint, "one two three four five", "--tokenizer_path", tokenizer_path,
-        "--max_seq_len", "4",
-    )  # fmt: skip
+    flags = ["--tokenizer_path", tokenizer_path, "--max_seq_len", "4"]
+    result = llama_command("complete", unloadable_checkpoint, "one two three four five", *flags)
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr == "error: The prompt is 6 tokens long, longer than --max_seq_len=4; raise --max_seq_len\n"
 
@@ -202,9 +215,22 @@ def test_chat_on_pipes(tiny_checkpoint, tokenizer_path, tmp_path):
     saved, broken = tmp_path / "dialog.json", tmp_path / "broken.json"
     broken.write_text('[{"role": "user", "content": 3}]')
     script = "\n".join(
-        ["/exti", "/foo bar", "/system Answer briefly.", '"""', "first line", "second line", '"""', "ab \\", "cd",
-         f"/save {saved}", f"/load {broken}", "/exit", "never read"]
-    )  # fmt: skip
+        [
+            "/exti",
+            "/foo bar",
+            "/system Answer briefly.",
+            '"""',
+            "first line",
+            "second line",
+            '"""',
+            "ab \\",
+            "cd",
+            f"/save {saved}",
+            f"/load {broken}",
+            "/exit",
+            "never read",
+        ]
+    )
     flags = ["--tokenizer_path", tokenizer_path, "--max_seq_len", "128", "--max_gen_len", "4"]
     result = llama_command("chat", tiny_checkpoint, *flags, input=script + "\n")
     assert result.returncode == 0, result.stderr
@@ -230,6 +256,7 @@ def terminal(args, **extra_env):
 
 
 UP_ARROW = b"\x1b[A"
+LONG_ANSWER = ["--max_seq_len", "2048", "--max_gen_len", "2000"]  # still being written when Ctrl-C comes
 
 
 @pytest.mark.slow
@@ -238,8 +265,8 @@ def test_the_up_arrow_recalls_earlier_messages_across_sessions_and_tab_completes
     tiny_checkpoint, tokenizer_path, tmp_path
 ):
     state = tmp_path / "state"
-    chat = ["-m", "llama", "chat", tiny_checkpoint, "--tokenizer_path", tokenizer_path, "--max_seq_len", "128",
-            "--max_gen_len", "3"]  # fmt: skip
+    flags = ["--tokenizer_path", tokenizer_path, "--max_seq_len", "128", "--max_gen_len", "3"]
+    chat = ["-m", "llama", "chat", tiny_checkpoint, *flags]
     with terminal(chat, XDG_STATE_HOME=str(state)) as (pid, fd):
         read_until(fd, rb"User: ", 120)
         os.write(fd, b"What is a lighthouse?\r")
@@ -293,8 +320,8 @@ def test_ctrl_c_ends_the_chat_with_one_line_and_status_130(tiny_checkpoint, toke
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
 def test_ctrl_c_ends_an_example_with_one_line_and_status_130(tiny_checkpoint, tokenizer_path):
-    command = ["example_text_completion.py", "--ckpt_dir", tiny_checkpoint, "--tokenizer_path", tokenizer_path,
-               "--max_seq_len", "2048", "--max_gen_len", "2000"]  # fmt: skip
+    command = ["example_text_completion.py", "--ckpt_dir", tiny_checkpoint, "--tokenizer_path", tokenizer_path]
+    command += LONG_ANSWER
     with terminal(command) as (pid, fd):
         read_until(fd, rb"Loaded in ", 120)
         time.sleep(1)  # into the generation
@@ -315,8 +342,8 @@ def test_ctrl_c_under_torchrun_is_one_line_from_the_processes(tmp_path, tokenize
 
     checkpoint = make_checkpoint(tmp_path / "mp2", n_shards=2, seed=4)
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command = [*torchrun, "example_text_completion.py", "--ckpt_dir", checkpoint, "--tokenizer_path", tokenizer_path,
-               "--max_seq_len", "2048", "--max_gen_len", "2000"]  # fmt: skip
+    command = [*torchrun, "example_text_completion.py", "--ckpt_dir", checkpoint, "--tokenizer_path", tokenizer_path]
+    command += LONG_ANSWER
     with terminal(command) as (pid, fd):
         read_until(fd, rb"Loaded in ", 120)
         time.sleep(1)  # into the generation
@@ -329,8 +356,8 @@ def test_ctrl_c_under_torchrun_is_one_line_from_the_processes(tmp_path, tokenize
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(pty, "fork"), reason="needs a pseudo-terminal")
 def test_ctrl_c_ends_a_completion_with_its_text_then_one_line(tiny_checkpoint, tokenizer_path):
-    command = ["-m", "llama", "complete", tiny_checkpoint, "Once upon a time", "--tokenizer_path", tokenizer_path,
-               "--max_seq_len", "2048", "--max_gen_len", "2000"]  # fmt: skip
+    command = ["-m", "llama", "complete", tiny_checkpoint, "Once upon a time", "--tokenizer_path", tokenizer_path]
+    command += LONG_ANSWER
     with terminal(command) as (pid, fd):
         read_until(fd, rb"model-parallel size 1", 120)  # loaded: writing next
         time.sleep(1)

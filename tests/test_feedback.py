@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import llama.checkpoint.report
-from llama import cli, demo
+from llama import command_line, demo
 from llama.checkpoint import check_kv_cache_fits
 from llama.checkpoint.report import weights_bar
 from llama.model import ModelArgs
@@ -76,7 +76,8 @@ def test_the_kv_cache_message_names_each_setting_once(monkeypatch, capsys):
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=512, max_batch_size=4)
     with pytest.raises(ValueError, match=r"lower max_batch_size or max_seq_len$"):
         check_kv_cache_fits(args, 1, torch.device("cpu"), torch.float32)
-    with pytest.raises(SystemExit), cli.user_errors(["max_batch_size", "max_seq_len"]):  # as a command line says it
+    # as a command line says it
+    with pytest.raises(SystemExit), command_line.user_errors(["max_batch_size", "max_seq_len"]):
         check_kv_cache_fits(args, 1, torch.device("cpu"), torch.float32)
     message = capsys.readouterr().err
     assert message.endswith("; lower --max_batch_size or --max_seq_len\n")

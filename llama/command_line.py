@@ -1,16 +1,18 @@
 """What the command-line entry points share: flags checked before anything runs, a user's mistake reported as
-one line that names the flag to change, not as a traceback, and Ctrl-C as one line and exit status 130.
+one line that names the flag to change, not as a traceback, Ctrl-C as one line and exit status 130, and what
+every process computes alike shown once, by the first (`rank0_stream`).
 
 A user's mistake is what the library raises as `ValueError`, `FileNotFoundError` or `FileExistsError` (a missing
 folder, a device that is not here, a value out of range). Any other exception is a bug, and keeps its traceback.
 """
 
+import functools
 import inspect
 import os
 import re
 import sys
 from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, TextIO
 
 import fire
 
@@ -77,9 +79,8 @@ def ends_on_ctrl_c() -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        if os.environ.get("RANK", "0") == "0":
-            start_of_line = "\n" if sys.stderr.isatty() else ""  # a terminal's cursor is after the prompt, or ^C
-            print(f"{start_of_line}Interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        start_of_line = "\n" if sys.stderr.isatty() else ""  # a terminal's cursor is after the prompt, or ^C
+        print(f"{start_of_line}Interrupted (Ctrl-C)", file=rank0_stream(sys.stderr), flush=True)
         sys.stdout.flush()
         os._exit(INTERRUPTED_EXIT_STATUS)
 
@@ -118,7 +119,18 @@ def fail(message: str) -> None:
     raise SystemExit(2)
 
 
-if __name__ == "__main__":  # python -m llama.cli: the `llama` command
-    from llama.commands import main
+def rank0_stream(stream: TextIO) -> TextIO:
+    """`stream` in the first process, a stream that drops what is written in any other.
 
-    main()
+    Under torchrun every process computes the same text, so the command lines show it, and say what was loaded and
+    how fast, from global rank 0 only: print with `file=rank0_stream(sys.stdout)` (or `sys.stderr`). The rank is
+    torchrun's RANK, read without torch, so that this works before torch has loaded (Ctrl-C during the imports);
+    without torchrun there is one process, and it shows everything.
+    """
+    return stream if os.environ.get("RANK", "0") == "0" else _devnull()
+
+
+@functools.lru_cache(maxsize=None)
+def _devnull() -> TextIO:
+    """The null device, opened once, for what the other processes would have shown."""
+    return open(os.devnull, "w")

@@ -2,13 +2,14 @@
 is one line naming the flag to change, never a traceback."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from llama import cli
+from llama import command_line
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,12 +33,12 @@ def example_main(ckpt_dir: str, max_seq_len: int = 128, compile: bool = False):
     ],
 )
 def test_unknown_flags_are_found_before_running(argv, unknown):
-    assert cli.unknown_flags(argv, ["ckpt_dir", "max_seq_len", "compile"]) == unknown
+    assert command_line.unknown_flags(argv, ["ckpt_dir", "max_seq_len", "compile"]) == unknown
 
 
 def test_a_mistyped_flag_stops_with_the_valid_flags(capsys):
     with pytest.raises(SystemExit) as stopped:
-        cli.run(example_main, ["--ckpt_dir", "x", "--max_sequence_len", "64"])
+        command_line.run(example_main, ["--ckpt_dir", "x", "--max_sequence_len", "64"])
     assert stopped.value.code == 2
     assert capsys.readouterr().err == (
         "error: unknown flag --max_sequence_len; the flags are: --ckpt_dir, --max_seq_len, --compile\n"
@@ -49,11 +50,22 @@ def test_a_user_error_is_one_line_naming_the_flag(capsys):
         raise ValueError(f"5 prompts exceed max_batch_size={max_batch_size}; raise max_batch_size (in {ckpt_dir}/x)")
 
     with pytest.raises(SystemExit) as stopped:
-        cli.run(main, ["/data/max_batch_size", "--max_batch_size", "4"])
+        command_line.run(main, ["/data/max_batch_size", "--max_batch_size", "4"])
     assert stopped.value.code == 2
     assert capsys.readouterr().err == (
         "error: 5 prompts exceed --max_batch_size=4; raise --max_batch_size (in /data/max_batch_size/x)\n"
     )
+
+
+def test_what_every_process_computes_is_shown_by_the_first_only(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)  # one process, no torchrun: it shows everything
+    assert command_line.rank0_stream(sys.stdout) is sys.stdout
+    monkeypatch.setenv("RANK", "0")
+    assert command_line.rank0_stream(sys.stderr) is sys.stderr
+    monkeypatch.setenv("RANK", "1")
+    elsewhere = command_line.rank0_stream(sys.stdout)
+    assert elsewhere is not sys.stdout and elsewhere.name == os.devnull
+    print("dropped", file=elsewhere, flush=True)
 
 
 def test_a_programming_error_keeps_its_traceback():
@@ -61,13 +73,20 @@ def test_a_programming_error_keeps_its_traceback():
         raise KeyError("a bug")
 
     with pytest.raises(KeyError, match="a bug"):
-        cli.run(main, ["x"])
+        command_line.run(main, ["x"])
 
 
 @pytest.mark.slow
 def test_example_stops_on_a_mistyped_flag_before_loading(tiny_checkpoint, tokenizer_path):
-    result = run("example_text_completion.py", "--ckpt_dir", tiny_checkpoint, "--tokenizer_path", tokenizer_path,
-                 "--max_sequence_len", "64")  # fmt: skip
+    result = run(
+        "example_text_completion.py",
+        "--ckpt_dir",
+        tiny_checkpoint,
+        "--tokenizer_path",
+        tokenizer_path,
+        "--max_sequence_len",
+        "64",
+    )
     assert result.returncode == 2
     assert result.stdout == ""  # nothing loaded, no completion printed
     assert result.stderr.startswith("error: unknown flag --max_sequence_len; the flags are: --ckpt_dir, ")
@@ -92,8 +111,8 @@ def test_sampling_flags_are_checked_before_the_checkpoint(flags, message):
 def test_example_user_errors_are_one_line(tiny_checkpoint, tokenizer_path):
     missing = run("example_chat_completion.py", "--ckpt_dir", "no/such/folder")
     assert (missing.returncode, missing.stderr) == (2, "error: Checkpoint directory no/such/folder does not exist\n")
-    too_small = run("example_text_completion.py", "--ckpt_dir", tiny_checkpoint, "--tokenizer_path", tokenizer_path,
-                    "--max_batch_size", "2")  # fmt: skip
+    flags = ["--ckpt_dir", tiny_checkpoint, "--tokenizer_path", tokenizer_path, "--max_batch_size", "2"]
+    too_small = run("example_text_completion.py", *flags)
     assert too_small.returncode == 2
     assert too_small.stderr == "error: 4 prompts exceed --max_batch_size=2; raise --max_batch_size\n"
     bad_device = run("example_text_completion.py", "--ckpt_dir", tiny_checkpoint, "--device", "tpu")
