@@ -11,14 +11,13 @@ import sys
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
 
-from llama.tokenizer import Message
+from llama.tokenizer import ROLES, Message
 
 HISTORY_LENGTH = 1000  # lines kept in the history file
 BLOCK = '"""'  # a line of its own that opens, and another that closes, a message of several lines
 CONTINUED = "\\"  # a line ending in it goes on on the next line
 CONTINUATION_PROMPT = "... "
 MAX_DIALOG_BYTES = 16 * 2**20  # a dialog file larger than this is refused before it is read
-ROLES = ("system", "user", "assistant", "ipython")
 
 
 def history_file() -> Path:
@@ -125,8 +124,9 @@ def checked_dialog(data, path: str) -> List[Message]:
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
             raise ValueError(f'message {i} of {path} is not {{"role": ..., "content": "text"}}')
         role = message.get("role")
-        if role not in ROLES:
-            raise ValueError(f"message {i} of {path} has role {str(role)[:40]!r}; the roles are {', '.join(ROLES)}")
+        if role not in ROLES["3.1"]:  # every role a message may have; the model's version is checked as it is sent
+            roles = ", ".join(ROLES["3.1"])
+            raise ValueError(f"message {i} of {path} has role {str(role)[:40]!r}; the roles are {roles}")
         if role == "system" and i > 0:
             raise ValueError(f"message {i} of {path} is a system message; only the first message may be one")
         dialog.append({"role": role, "content": message["content"]})

@@ -9,17 +9,23 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from llama.engine import Output
+from llama.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.tokenizer import ROLES as LLAMA_ROLES
 from llama.tokenizer import ChatFormat, Message, Tokenizer
 from llama.tools import tool_messages
 
-# The sampling defaults of Llama.chat_completion and Llama.text_completion, not OpenAI's (1.0 and 1.0).
-DEFAULT_TEMPERATURE = 0.6
-DEFAULT_TOP_P = 0.9
 MAX_STOP_CHARS = 256  # the text held back while it could begin a stop string is shorter than this
+# OpenAI's message roles: Llama 3.1's, with a tool's output named "tool" only, plus "developer", OpenAI's newer
+# name for a system message.
+ROLES = (*(role for role in LLAMA_ROLES["3.1"] if role != "ipython"), "developer")
 
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 class APIError(Exception):
@@ -82,6 +88,7 @@ class Sampling(Strict):
     """The fields both endpoints take."""
 
     model: str
+    # The defaults of Llama.chat_completion and Llama.text_completion, not OpenAI's (1.0 and 1.0).
     temperature: float = Field(DEFAULT_TEMPERATURE, ge=0, allow_inf_nan=False)
     top_p: float = Field(DEFAULT_TOP_P, gt=0, le=1)
     max_tokens: Optional[int] = Field(None, ge=1)
@@ -114,9 +121,6 @@ class CompletionRequest(Sampling):
     max_tokens: Optional[int] = Field(16, ge=1)  # OpenAI's default for completions
     logprobs: Optional[int] = Field(None, ge=0, le=5)
     echo: bool = False
-
-
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def dialog_of(request: ChatRequest, formatter: ChatFormat) -> List[Message]:

@@ -30,7 +30,7 @@ from llama.openai_api import (
     finish_reason,
     tool_calls_out,
 )
-from llama.tokenizer import ChatFormat, Tokenizer
+from llama.tokenizer import STOP_TOKEN_REASONS, ChatFormat, Tokenizer
 
 # How often a request checks that its client is still there.
 DISCONNECT_POLL_S = 0.2
@@ -53,12 +53,21 @@ class Service:
         """max_tokens, or all the room left after the prompt; APIError (400) when they do not fit."""
         limit = self.engine.max_seq_len
         if len(prompt) >= limit:
-            raise APIError(400, f"The prompt is {len(prompt)} tokens long; this server's max_seq_len is {limit}, "
-                           "which must also hold at least one new token", where, "context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"The prompt is {len(prompt)} tokens long; this server's max_seq_len is {limit}, "
+                "which must also hold at least one new token",
+                where,
+                "context_length_exceeded",
+            )
         if max_tokens is not None and len(prompt) + max_tokens > limit:
-            raise APIError(400, f"max_tokens={max_tokens} after a prompt of {len(prompt)} tokens exceeds "
-                           f"max_seq_len={limit}; ask for at most {limit - len(prompt)}", "max_tokens",
-                           "context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"max_tokens={max_tokens} after a prompt of {len(prompt)} tokens exceeds "
+                f"max_seq_len={limit}; ask for at most {limit - len(prompt)}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
         return limit - len(prompt) if max_tokens is None else max_tokens
 
     def submit(
@@ -68,9 +77,14 @@ class Service:
         Leaving them early (a stop string, a client gone) cancels the request."""
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         request = batching.Request(
-            prompt, max_tokens, body.temperature, body.top_p, emit=lambda out: loop.call_soon_threadsafe(
-                queue.put_nowait, out), seed=body.seed, top_logprobs=top_logprobs,
-        )  # fmt: skip
+            prompt,
+            max_tokens,
+            body.temperature,
+            body.top_p,
+            emit=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
+            seed=body.seed,
+            top_logprobs=top_logprobs,
+        )
         try:
             self.engine.submit(request)
         except QueueFull as e:
@@ -139,8 +153,9 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
             return
         given = http.headers.get("authorization", "")
         if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")  # fmt: skip
+            raise APIError(
+                401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
 
     app = FastAPI(title="llama", lifespan=lifespan)
     guarded = [Depends(check_key)]
@@ -188,8 +203,12 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
 
     def check_model(body: Sampling) -> None:
         if body.model != service.model_name:
-            raise APIError(404, f"The model {body.model!r} is not served here; this server serves "
-                           f"{service.model_name!r}", "model", "model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"The model {body.model!r} is not served here; this server serves {service.model_name!r}",
+                "model",
+                "model_not_found",
+            )
 
     return app
 
@@ -222,10 +241,12 @@ class Answer:
         try:
             async for output in outputs:
                 if output.finish in ("error", "cancelled"):
-                    raise APIError(500 if output.finish == "error" else 503, "The request was stopped by a fault "
-                                   "or a shutdown of the server")  # fmt: skip
+                    raise APIError(
+                        500 if output.finish == "error" else 503,
+                        "The request was stopped by a fault or a shutdown of the server",
+                    )
                 if output.finish is not None:
-                    self.sampled += output.finish in ("end_of_turn", "end_of_message")  # the stop token
+                    self.sampled += output.finish in STOP_TOKEN_REASONS.values()  # it ended at a stop token
                     yield self.text.flush(), [], finish_reason(output.finish)
                     return
                 self.sampled += 1
@@ -242,8 +263,13 @@ class Answer:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.sampled, "total_tokens": total}
 
     def envelope(self, obj: str, choices: list) -> dict:
-        return {"id": self.id, "object": obj, "created": int(time.time()), "model": self.service.model_name,
-                "choices": choices}  # fmt: skip
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": int(time.time()),
+            "model": self.service.model_name,
+            "choices": choices,
+        }
 
     def wants_usage(self) -> bool:
         return bool(self.body.stream_options and self.body.stream_options.include_usage)
@@ -325,14 +351,19 @@ class CompletionAnswer(Answer):
             texts.append(piece)
             tokens += outs
             reason = finish or reason
-        choice = {"index": 0, "text": "".join(texts), "logprobs": self.logprobs(tokens, len(self.echoed)),
-                  "finish_reason": reason}  # fmt: skip
+        choice = {
+            "index": 0,
+            "text": "".join(texts),
+            "logprobs": self.logprobs(tokens, len(self.echoed)),
+            "finish_reason": reason,
+        }
         return {**self.envelope("text_completion", [choice]), "usage": self.usage()}
 
     async def stream(self, outputs: AsyncIterator[Output]) -> AsyncIterator[dict]:
         def chunk(text: str, reason: Optional[str] = None, logprobs: Optional[dict] = None) -> dict:
-            return self.envelope("text_completion", [{"index": 0, "text": text, "logprobs": logprobs,
-                                                      "finish_reason": reason}])  # fmt: skip
+            return self.envelope(
+                "text_completion", [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}]
+            )
 
         if self.echoed:
             yield chunk(self.echoed)

@@ -21,6 +21,7 @@ from helpers import ScriptedModel, skip_or_fail
 
 from llama import ChatFormat, Llama, Tokenizer
 from llama.generation import assistant_message
+from llama.tokenizer import stop_reason
 from llama.tools import (
     Tool,
     chat_with_tools,
@@ -72,6 +73,15 @@ def test_special_tokens_of_tool_calling(tok):
     names = {"<|begin_of_text|>": BEGIN, "<|start_header_id|>": START, "<|end_header_id|>": END,
              "<|eom_id|>": EOM, "<|eot_id|>": EOT, "<|python_tag|>": PYTHON_TAG}  # fmt: skip
     assert {name: tok.special_tokens[name] for name in names} == names
+
+
+def test_each_stop_token_gives_its_stop_reason(tokenizer_path, tok):
+    assert stop_reason(tok, EOT) == "end_of_turn"
+    assert stop_reason(tok, EOM) == "end_of_message"  # a tool call awaits its result
+    assert stop_reason(tok, tok.eos_id) == "end_of_turn"  # <|end_of_text|>, how a base model ends
+    assert stop_reason(tok, PYTHON_TAG) is None and stop_reason(tok, enc(tok, "Done")[0]) is None
+    llama3 = Tokenizer(tokenizer_path, version="3")  # no <|eom_id|>: its ID is a reserved token there
+    assert stop_reason(llama3, EOT) == "end_of_turn" and stop_reason(llama3, EOM) is None
 
 
 @pytest.mark.parametrize("tool", ["brave_search", "wolfram_alpha", "photogen"])

@@ -3,8 +3,17 @@ tiktoken, the special tokens), `messages` (the shapes of messages and tool calls
 dialogs written as tokens, answers read back) and `tool_calls` (tool calls as text, written and parsed)."""
 
 from llama.tokenizer.bpe import SUPPORTED_VERSIONS, Tokenizer, load_bpe_ranks, short_repr, token_id_list
-from llama.tokenizer.chat_format import ChatFormat
-from llama.tokenizer.messages import STOP_REASONS, Dialog, Message, Role, StopReason, ToolCall
+from llama.tokenizer.chat_format import ChatFormat, stop_reason
+from llama.tokenizer.messages import (
+    ROLES,
+    STOP_REASONS,
+    STOP_TOKEN_REASONS,
+    Dialog,
+    Message,
+    Role,
+    StopReason,
+    ToolCall,
+)
 from llama.tokenizer.tool_calls import (
     BUILTIN_TOOLS,
     TOOL_PROMPT_FORMATS,
@@ -18,8 +27,10 @@ __all__ = [
     "ChatFormat",
     "Dialog",
     "Message",
+    "ROLES",
     "Role",
     "STOP_REASONS",
+    "STOP_TOKEN_REASONS",
     "SUPPORTED_VERSIONS",
     "StopReason",
     "TOOL_PROMPT_FORMATS",
@@ -30,5 +41,6 @@ __all__ = [
     "load_bpe_ranks",
     "parse_tool_calls",
     "short_repr",
+    "stop_reason",
     "token_id_list",
 ]

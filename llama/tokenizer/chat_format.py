@@ -2,13 +2,23 @@
 an assistant's answer read back into a message."""
 
 from collections.abc import Iterable, Sequence
+from typing import Optional
 
 from llama.tokenizer.bpe import Tokenizer, short_repr
-from llama.tokenizer.messages import STOP_REASONS, Dialog, Message, StopReason, ToolCall
+from llama.tokenizer.messages import ROLES, STOP_REASONS, STOP_TOKEN_REASONS, Dialog, Message, StopReason, ToolCall
 from llama.tokenizer.tool_calls import TOOL_PROMPT_FORMATS, check_tool_call, encode_tool_call, parse_tool_calls
 
-# Chat roles each version accepts; "ipython" (tool output, alias "tool") arrived with Llama 3.1.
-_ROLES = {"3": ("system", "user", "assistant"), "3.1": ("system", "user", "assistant", "ipython", "tool")}
+
+def stop_reason(tokenizer: Tokenizer, token: int) -> Optional[StopReason]:
+    """Why an answer that stops at `token` ended: the reason `STOP_TOKEN_REASONS` gives <|eot_id|> and <|eom_id|>,
+    "end_of_turn" for the tokenizer's other stop token (<|end_of_text|>, how a base model ends a text), and None
+    for a token that is not one of `tokenizer.stop_tokens`."""
+    if token not in tokenizer.stop_tokens:
+        return None
+    for name, reason in STOP_TOKEN_REASONS.items():
+        if tokenizer.special_tokens.get(name) == token:
+            return reason
+    return "end_of_turn"
 
 
 class ChatFormat:
@@ -53,9 +63,9 @@ class ChatFormat:
             ValueError: If the role is not allowed for this tokenizer's version.
         """
         role = message["role"]
-        allowed = _ROLES[self.tokenizer.version]
+        allowed = ROLES[self.tokenizer.version]
         if role not in allowed:
-            needs_31 = role in _ROLES["3.1"]
+            needs_31 = role in ROLES["3.1"]
             hint = f' (the "{role}" role needs a Tokenizer with version="3.1")' if needs_31 else ""
             raise ValueError(f"Unknown message role {short_repr(role)}; allowed roles are {list(allowed)}{hint}")
         tokens = [self.tokenizer.special_tokens["<|start_header_id|>"]]
@@ -173,7 +183,7 @@ class ChatFormat:
         python_tag = content.startswith("<|python_tag|>")
         if python_tag:
             content = content[len("<|python_tag|>") :]
-        for end, reason in (("<|eot_id|>", "end_of_turn"), ("<|eom_id|>", "end_of_message")):
+        for end, reason in STOP_TOKEN_REASONS.items():
             if content.endswith(end):
                 content, stop_reason = content[: -len(end)], reason
                 break

@@ -1,13 +1,18 @@
 """The shapes of chat messages and tool calls, as `ChatFormat` writes and reads them."""
 
 from collections.abc import Sequence
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, get_args
 
 # "tool" is another name for "ipython" (a tool's output): both are written as ipython, as llama-models does.
 Role = Literal["system", "user", "assistant", "ipython", "tool"]
+# The roles a dialog may use, by tokenizer version: a tool's output arrived with Llama 3.1.
+ROLES: dict[str, tuple[Role, ...]] = {"3": ("system", "user", "assistant"), "3.1": get_args(Role)}
+
 # Why an answer ended: <|eot_id|>, <|eom_id|> (Llama 3.1+: a tool call awaits its result), or max_gen_len.
 StopReason = Literal["end_of_turn", "end_of_message", "length"]
-STOP_REASONS = ("end_of_turn", "end_of_message", "length")
+STOP_REASONS: tuple[StopReason, ...] = get_args(StopReason)
+# The special tokens that end a message in the chat format, with the stop reason each stands for.
+STOP_TOKEN_REASONS: dict[str, StopReason] = {"<|eot_id|>": "end_of_turn", "<|eom_id|>": "end_of_message"}
 
 
 class _ToolCallFields(TypedDict):

@@ -5,6 +5,7 @@ import json
 import math
 from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence
 
+from llama.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.tokenizer import Dialog, Message, ToolCall, short_repr
 from llama.tools.definitions import PARAM_TYPES, Tool, _tool_list
 
@@ -68,7 +69,11 @@ class ChatGenerator(Protocol):
     """What `chat_with_tools` needs of a generator: `Llama.chat_completion`."""
 
     def chat_completion(
-        self, dialogs: List[Dialog], temperature: float = 0.6, top_p: float = 0.9, max_gen_len: Optional[int] = None
+        self,
+        dialogs: List[Dialog],
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
+        max_gen_len: Optional[int] = None,
     ) -> List[Dict[str, Any]]: ...
 
 
@@ -78,8 +83,8 @@ def chat_with_tools(
     tools: Sequence[Tool],
     *,
     max_rounds: int = 4,
-    temperature: float = 0.6,
-    top_p: float = 0.9,
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_p: float = DEFAULT_TOP_P,
     max_gen_len: Optional[int] = None,
 ) -> List[Message]:
     """Asks the model to answer `dialog`, running the tools it calls, until it answers without calling any.
