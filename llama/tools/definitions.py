@@ -30,13 +30,19 @@ class ToolDefinition(TypedDict):
 
 # Parameter types that `run_tool_call` checks, by the names the prompts use for them.
 PARAM_TYPES: Dict[str, type] = {
-    "str": str, "string": str,
-    "int": int, "integer": int,
-    "float": float, "number": float,
-    "bool": bool, "boolean": bool,
-    "list": list, "array": list,
-    "dict": dict, "object": dict,
-}  # fmt: skip
+    "str": str,
+    "string": str,
+    "int": int,
+    "integer": int,
+    "float": float,
+    "number": float,
+    "bool": bool,
+    "boolean": bool,
+    "list": list,
+    "array": list,
+    "dict": dict,
+    "object": dict,
+}
 
 
 @dataclass
@@ -120,8 +126,9 @@ def _check_definition(tool: ToolDefinition) -> None:
             raise ValueError(f"{where}: must be a dict with 'param_type' and 'description', got {short_repr(param)}")
         extra = set(param) - {"param_type", "description", "required", "default"}
         if extra:
-            raise ValueError(f"{where}: unknown keys {sorted(extra)}; the keys are param_type, description, "
-                             "required, default")  # fmt: skip
+            raise ValueError(
+                f"{where}: unknown keys {sorted(extra)}; the keys are param_type, description, required, default"
+            )
         if not isinstance(param.get("param_type"), str) or not isinstance(param.get("description"), str):
             raise ValueError(f"{where}: needs a 'param_type' and a 'description', both strs")
         if not isinstance(param.get("required", True), bool):
@@ -130,5 +137,7 @@ def _check_definition(tool: ToolDefinition) -> None:
             try:
                 json.dumps(param["default"], allow_nan=False)
             except (TypeError, ValueError, RecursionError) as e:
-                raise ValueError(f"{where}: the default, a {type(param['default']).__name__}, cannot be written as "
-                                 f"JSON, as the prompt shows it ({e})") from None  # fmt: skip
+                raise ValueError(
+                    f"{where}: the default, a {type(param['default']).__name__}, cannot be written as "
+                    f"JSON, as the prompt shows it ({e})"
+                ) from None

@@ -9,8 +9,20 @@ from llama.tokenizer import BUILTIN_TOOLS, TOOL_PROMPT_FORMATS, Message, short_r
 from llama.tools.definitions import Tool, ToolDefinition, _definitions
 
 _KNOWLEDGE_CUTOFF = "December 2023"
-_MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-           "November", "December")  # fmt: skip
+_MONTHS = (
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+)
 _JSON_TOOLS_INTRO = (
     "Answer the user's question by making use of the following functions if needed.\n"
     "If none of the function can be used, please say so.\n"
@@ -238,11 +250,13 @@ def tool_messages(
         raise ValueError(f"Unknown tool_format {short_repr(tool_format)}; use one of {TOOL_PROMPT_FORMATS}")
     if tool_format == "python_list":
         if builtin_tools:
-            raise ValueError('The "python_list" format (Llama 3.2/3.3) offers custom tools only; use "json" for '
-                             "built-in tools")  # fmt: skip
+            raise ValueError(
+                'The "python_list" format (Llama 3.2/3.3) offers custom tools only; use "json" for built-in tools'
+            )
         return [{"role": "system", "content": python_list_tools_prompt(tools, instruction)}]
-    system = system_prompt(builtin_tools, environment=bool(tools) or bool(builtin_tools), instruction=instruction,
-                           today=today)  # fmt: skip
+    system = system_prompt(
+        builtin_tools, environment=bool(tools) or bool(builtin_tools), instruction=instruction, today=today
+    )
     messages: List[Message] = [{"role": "system", "content": system}]
     if tools:
         describe = json_tools_prompt if tool_format == "json" else function_tag_tools_prompt
