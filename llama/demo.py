@@ -38,8 +38,8 @@ def random_weights(
     params: dict, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"
 ) -> Dict[str, torch.Tensor]:
     """Random weights with every tensor's full shape, returned on the CPU; norms near 1 so that every layer
-    matters. They are drawn on `device`, whose random stream is its own: 2 CPU cores draw 8B numbers in about
-    2 minutes (73 million a second measured), a GPU in well under a second."""
+    matters. They are drawn on `device`, whose random stream is its own: a GPU draws a large model's weights far
+    faster than the CPU (docs/speed.md has the figures)."""
     generator = torch.Generator(device).manual_seed(seed)
     args = ModelArgs(**params)
     weights = {}
