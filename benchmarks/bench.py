@@ -185,14 +185,13 @@ def decode_step_bytes(model) -> int:
     """Bytes one batch-1 decode step reads: every weight once, except the embedding table (one row is read),
     unless it doubles as the output head; a weight that runs on a float16 copy (`llama.cpu.CPULinear`), 2 bytes
     each."""
-    from llama.cpu import CPULinear
+    from llama.cpu import FusedProduct, product_owners
 
-    def on_copy(
-        layer,
-    ) -> bool:  # `packed` maps a kernel to (versions, copy), the copy None where float16 cannot hold it
-        return layer.kernel_for(1) == "fp16" and (layer.fused or layer).packed.get("fp16", (None, None))[1] is not None
-
-    on_copies = {id(m.weight) for m in model.modules() if isinstance(m, CPULinear) and on_copy(m)}
+    on_copies = set()
+    for owner in product_owners(model):  # `packed` maps a kernel to (versions, copy), None where fp16 cannot hold it
+        layers = owner.layers if isinstance(owner, FusedProduct) else (owner,)
+        if layers[0].kernel_for(1) == "fp16" and owner.packed.get("fp16", (None, None))[1] is not None:
+            on_copies.update(id(layer.weight) for layer in layers)
     weights = {}  # a tied head and the embedding are one parameter
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]  # quantized: buffers
     for name, p in tensors:
@@ -214,7 +213,7 @@ def kernel_counts(model) -> dict:
     return counts
 
 
-def reference_attention_forward(self, x, start_pos, freqs_cis, mask):
+def reference_attention_forward(self, x, start_pos, freqs_cis, mask, first_row=0):
     """`llama.model.Attention.forward` as Meta's reference writes it: kv heads repeated, scores stored whole."""
     import math
 
@@ -250,7 +249,6 @@ def worker_llama(args) -> dict:
     import torch
 
     from llama import Llama
-    from llama.parallel_layers import unpack_layers
 
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -290,9 +288,13 @@ def worker_llama(args) -> dict:
     if args.dtype in QUANTIZED:  # the reference algorithm has no quantized weights
         return result
     # The reference algorithm: logits for every prompt position, and the reference's kernels and attention.
+    from llama.model import FeedForward
+    from llama.runtime import unpack_layers
+
     unpack_layers(model)
-    for layer in model.layers:
+    for layer in model.layers:  # Meta's attention, and w1 and w3 as two products
         layer.attention.forward = types.MethodType(reference_attention_forward, layer.attention)
+        layer.feed_forward.forward = types.MethodType(FeedForward.forward, layer.feed_forward)
     for n, prompt in prompts.items():
         result[f"prefill{n}_reference_tok_s"] = n / timed(lambda: model.forward(prompt, 0), args.device)
     return result

@@ -42,10 +42,7 @@ def load_sibling(name: str):
 def build(params, state, dtype: torch.dtype, device: torch.device, path: str, max_seq_len: int):
     """(model, decode step) for one path: "float32" and "reference" are Meta's layers, the others this library's
     runtime layers as `Llama.build` sets them up, with the path's one-token step."""
-    from llama.cuda_graphs import CUDAGraphDecodeStep
-    from llama.decoding import compiled_decode_step
-    from llama.generation import use_inference_layers
-    from llama.quantize import quantize_model
+    from llama.runtime import for_runtime, quantize_model
 
     quant_accuracy = load_sibling("quant_accuracy")
     model = quant_accuracy.build_model(params, state, dtype, max_seq_len=max_seq_len).to(device)
@@ -56,13 +53,10 @@ def build(params, state, dtype: torch.dtype, device: torch.device, path: str, ma
             layer.attention.forward = types.MethodType(attention, layer.attention)
     if path in ("int8", "int4"):
         quantize_model(model, path)
-    if path not in ("float32", "reference"):
-        use_inference_layers(model)
-    if path == "graphs":
-        return model, CUDAGraphDecodeStep(model)
-    if path == "compiled":
-        return model, compiled_decode_step(model)
-    return model, lambda tokens, position: model.forward(tokens, int(position))
+    if path in ("float32", "reference"):
+        return model, lambda tokens, position: model.forward(tokens, int(position))
+    model, step = for_runtime(model, compile=path == "compiled", cuda_graphs=path == "graphs")
+    return model, step or (lambda tokens, position: model.forward(tokens, int(position)))
 
 
 def teacher_forced(model, step: Callable, windows: List[torch.Tensor], prompt: int) -> torch.Tensor:
@@ -85,7 +79,7 @@ def greedy_answers(model, step: Callable, prompts: List[List[int]], stop: int) -
     with torch.inference_mode():
         for prompt in prompts:
             device = model.tok_embeddings.weight.device
-            logits = model.forward(torch.tensor([prompt], device=device), 0, last_logits_only=True)
+            logits = model.forward(torch.tensor([prompt], device=device), 0)
             answer = []
             for pos in range(len(prompt), len(prompt) + QUESTIONS_NEW_TOKENS):
                 token = int(logits[0, -1].argmax())

@@ -35,6 +35,7 @@ from quant_accuracy import (  # noqa: E402
 )
 
 import llama.cpu  # noqa: E402
+from llama.runtime import for_runtime  # noqa: E402
 
 WINDOW = 64
 
@@ -67,11 +68,10 @@ def main() -> None:
     text_tokens = tokenizer.encode(EVAL_TEXT.read_text()).ids
 
     reference = build_model(params, state, torch.float32)
-    kernels = copy.deepcopy(reference)
-    llama.cpu.use_cpu_linear_layers(kernels, {1: "onednn"})  # oneDNN's float32 kernels on the weights as loaded
-    copies = copy.deepcopy(reference)
+    os.environ["LLAMA_CPU_KERNEL"] = "onednn"  # oneDNN's float32 kernels on the weights as loaded
+    kernels = for_runtime(copy.deepcopy(reference))[0]
     os.environ["LLAMA_CPU_KERNEL"] = "fp16"
-    llama.cpu.speed_up_for_cpu(copies)
+    copies = for_runtime(copy.deepcopy(reference))[0]
     if not any("fp16" in m.kernels.values() for m in copies.modules() if isinstance(m, llama.cpu.CPULinear)):
         raise SystemExit("No float16 copies here: they need fbgemm (x86) and memory for them")
 

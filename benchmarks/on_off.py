@@ -21,9 +21,9 @@ The speed-ups:
 - fp16-call: fbgemm's products called with torch functions of tensor subclasses switched off
   (`llama.cpu.fp16_products`), which skips a failed `__torch_function__` lookup on the packed weight at each call;
   only where weights run on float16 copies. Switched off, the op is called as it is elsewhere.
-- top-p-head: nucleus sampling ranks only the most likely tokens of each row (`llama.decoding.nucleus_head`) rather
+- top-p-head: nucleus sampling ranks only the most likely tokens of each row (`llama.sampling.nucleus_head`) rather
   than sorting the whole vocabulary; only sampled decoding uses it.
-- greedy-numpy: greedy decoding picks the most likely token with numpy's argmax (`llama.decoding.greedy_pick`)
+- greedy-numpy: greedy decoding picks the most likely token with numpy's argmax (`llama.sampling.greedy_pick`)
   rather than torch's.
 
 A shared machine's speed drifts from minute to minute by more than these gains, so two separate benchmark runs
@@ -47,10 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import DECODE_PROMPT, default_tokenizer, meta_checkpoint, timed  # noqa: E402
 
 import llama.cpu  # noqa: E402
-import llama.decoding  # noqa: E402
+import llama.sampling  # noqa: E402
 from llama import Llama  # noqa: E402
 from llama.cpu import CPULinear  # noqa: E402
-from llama.decoding import greedy_pick  # noqa: E402
+from llama.sampling import greedy_pick  # noqa: E402
 
 LONG_PROMPT = 600  # tokens before the decode steps of the last figure
 
@@ -83,14 +83,13 @@ def measure(generator: Llama, steps: int) -> dict:
 
 
 def fused_switch(generator: Llama):
-    layers = [m for m in generator.model.modules() if isinstance(m, CPULinear)]
-    groups = {layer: layer.fused for layer in layers}
-    if not any(groups.values()):
+    """On: `FusedQKV` and `FusedW13` run their layers as one product; off: each layer alone, on its own copy."""
+    if not any(isinstance(m, llama.cpu.FusedProduct) for m in generator.model.modules()):
         sys.exit("No fused products here: they need float16 copies (fbgemm, x86) or oneDNN bfloat16 kernels")
+    runs_on_a_copy = llama.cpu.layers.runs_on_a_copy
 
     def switch(on: bool) -> None:
-        for layer in layers:
-            layer.fused = groups[layer] if on else None
+        llama.cpu.layers.runs_on_a_copy = runs_on_a_copy if on else lambda kernel, dtype: False
 
     return switch
 
@@ -148,17 +147,17 @@ def fp16_call_switch(generator: Llama):
 
 
 def top_p_head_switch(generator: Llama):
-    sizes = llama.decoding.NUCLEUS_HEAD_SIZES
+    sizes = llama.sampling.NUCLEUS_HEAD_SIZES
 
     def switch(on: bool) -> None:
-        llama.decoding.NUCLEUS_HEAD_SIZES = sizes if on else ()
+        llama.sampling.NUCLEUS_HEAD_SIZES = sizes if on else ()
 
     return switch
 
 
 def greedy_numpy_switch(generator: Llama):
     def switch(on: bool) -> None:
-        llama.decoding.greedy_pick = greedy_pick if on else functools.partial(torch.argmax, dim=-1)
+        llama.sampling.greedy_pick = greedy_pick if on else functools.partial(torch.argmax, dim=-1)
 
     return switch
 

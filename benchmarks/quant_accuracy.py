@@ -184,7 +184,7 @@ def chat_prompt(tokenizer, question: str) -> List[int]:
 
 def greedy(model, prompt: List[int], new_tokens: int = NEW_TOKENS, stop: Optional[int] = None) -> List[int]:
     """Up to `new_tokens` greedy tokens after `prompt`, one at a time over the KV cache; ends after `stop`."""
-    logits = model.forward(torch.tensor([prompt]), 0, last_logits_only=True)
+    logits = model.forward(torch.tensor([prompt]), 0)
     out = []
     for position in range(len(prompt), len(prompt) + new_tokens):
         token = int(logits[0, -1].argmax())
@@ -226,7 +226,7 @@ def evaluate(
     """Perplexity, the next-token log-probabilities over the text, greedy answers (unless not `with_answers`),
     linear-layer bytes and seconds for one scheme ("float32", "bfloat16", "int8", "int4"; the float32 model has the
     same weights as the bfloat16 one, and computes in float32)."""
-    from llama.quantize import quantize_model
+    from llama.runtime import quantize_model
 
     start = time.time()
     model = build_model(params, state, torch.float32 if scheme == "float32" else torch.bfloat16)

@@ -39,16 +39,10 @@ from llama.checkpoint import (
     split_dim,
     write_meta_checkpoint,
 )
+from llama.checkpoint.quantized import SAVED_DTYPE, quantize_for_saving, saved_shapes
 from llama.checkpoint.report import weights_bar
 from llama.command_line import ends_on_ctrl_c, user_errors
-from llama.quantize import (
-    DEFAULT_GROUP_SIZE,
-    SAVED_DTYPE,
-    check_group_size,
-    check_scheme,
-    quantize_for_saving,
-    saved_shapes,
-)
+from llama.quantize import DEFAULT_GROUP_SIZE, check_group_size, check_scheme
 
 
 def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> None:

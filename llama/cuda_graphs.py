@@ -1,22 +1,23 @@
 """The eager decode step replayed as CUDA graphs: the default way to decode on one CUDA GPU.
 
 An eager step launches a few hundred small kernels one by one from Python, and at batch 1 the GPU waits on the
-launches more than on the weights. `Transformer.decode_step` keeps every shape fixed from one step to the next
+launches more than on the weights. `RuntimeTransformer.decode_step` keeps every shape fixed from one step to the next
 (the position is a tensor and attention runs over the whole cache, masked), so its kernels can be recorded once
 as a CUDA graph and replayed with one launch. The replay runs the recorded kernels on the same inputs, so its
 logits are those of the eager step bit for bit; nothing is compiled, and recording takes a fraction of a second.
 
 One graph is recorded per batch size, on its first step; they share one memory pool. A graph reads the KV caches
 and the RoPE table at the addresses it was recorded with, so it is recorded again when those are reallocated
-(`Transformer.init_kv_caches`).
+(`init_kv_caches`).
 """
 
 from dataclasses import dataclass
 from typing import Callable, Dict, Tuple
 
 import torch
+from torch import nn
 
-from llama.model import ModelArgs, Transformer
+from llama.model import ModelArgs
 
 
 @dataclass
@@ -49,9 +50,10 @@ def record(step: Callable[..., torch.Tensor], pool, *inputs: torch.Tensor) -> Tu
 
 
 class CUDAGraphDecodeStep:
-    """A `DecodeStep` (see `llama.decoding`) that replays `model.decode_step` as a CUDA graph per batch size."""
+    """A `DecodeStep` (see `llama.runtime`) that replays `model.decode_step` (a `RuntimeTransformer`'s) as a CUDA
+    graph per batch size."""
 
-    def __init__(self, model: Transformer):
+    def __init__(self, model: nn.Module):
         self.model = model
         self.steps: Dict[int, RecordedStep] = {}
         self.pool = None

@@ -2,7 +2,7 @@
 of the model's KV cache at a position of its own.
 
 Every `Engine.step` frees the rows of finished and cancelled requests, gives free rows to waiting requests, runs
-one decode step over the rows in use (`Transformer.decode_step` with a position per row), then runs new requests'
+one decode step over the rows in use (`RuntimeTransformer.decode_step` with a position per row), then runs new requests'
 prompts, oldest first, each through the model in its own row alone, up to `prefill_chunk` tokens in all. A long
 prompt is so spread over several steps, and the requests already running go on meanwhile.
 
@@ -19,17 +19,15 @@ import collections
 import itertools
 import threading
 import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from llama.decoding import DecodeStep, sample_next
-from llama.model import KVCache, Transformer
+from llama.runtime import DecodeStep, RuntimeTransformer
+from llama.sampling import sample_next
 from llama.tokenizer import Tokenizer
 
 # A server idles between requests for as long as it likes: the plan broadcast gets its own, patient group.
@@ -95,37 +93,9 @@ class Plan:
     stop: bool = False  # the server is shutting down: followers return
 
 
-class RowOfCache(nn.Module):
-    """One row of a `KVCache`, seen as the cache of a batch of one: a forward of one sequence through it writes and
-    reads that row of the shared cache (the int `start_pos` path of `KVCache.update`)."""
-
-    def __init__(self, cache: KVCache, row: int):
-        super().__init__()
-        self.cache, self.row = cache, row
-
-    def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        end, row = start_pos + xk.shape[1], self.row
-        self.cache.cache_k[row, start_pos:end] = xk[0]
-        self.cache.cache_v[row, start_pos:end] = xv[0]
-        return self.cache.cache_k[row : row + 1, :end], self.cache.cache_v[row : row + 1, :end]
-
-
-@contextmanager
-def caches_of_row(model: Transformer, row: int) -> Iterator[None]:
-    """Inside, each attention layer's KV cache is its `RowOfCache` for `row`."""
-    caches = [layer.attention.kv_cache for layer in model.layers]
-    try:
-        for layer, cache in zip(model.layers, caches):
-            layer.attention.kv_cache = RowOfCache(cache, row)
-        yield
-    finally:
-        for layer, cache in zip(model.layers, caches):
-            layer.attention.kv_cache = cache
-
-
 @torch.inference_mode()
 def run_plan(
-    model: Transformer, decode_step: Optional[DecodeStep], plan: Plan
+    model: RuntimeTransformer, decode_step: Optional[DecodeStep], plan: Plan
 ) -> Tuple[Dict[int, torch.Tensor], List[torch.Tensor]]:
     """Run one step: the decode rows (through `decode_step`; None: eagerly), then the prompt chunks. Returns the
     next-token logits (vocab_size,) of each of plan.decode_rows, by row, and the last logits of each chunk."""
@@ -136,8 +106,8 @@ def run_plan(
         # that its tokens are generate's in every dtype. The batched step rounds otherwise in bfloat16.
         (row,) = plan.decode_rows
         token = torch.tensor([[plan.decode_tokens[row]]], dtype=torch.long, device=device)  # (1, 1)
-        with caches_of_row(model, row):
-            decode_logits[row] = model.forward(token, plan.decode_positions[row], last_logits_only=True)[0, -1]
+        logits = model.forward(token, plan.decode_positions[row], last_logits_only=True, first_row=row)
+        decode_logits[row] = logits[0, -1]
     elif plan.decode_rows:
         tokens = torch.tensor(plan.decode_tokens, dtype=torch.long, device=device)[:, None]  # (n, 1)
         positions = torch.tensor(plan.decode_positions, dtype=torch.long, device=device)  # (n,)
@@ -146,8 +116,7 @@ def run_plan(
     for row, start, chunk in plan.prefills:
         # After the decode step, whose write at this row's position (an input nobody reads) this chunk overwrites.
         tokens = torch.tensor([chunk], dtype=torch.long, device=device)  # (1, len(chunk))
-        with caches_of_row(model, row):
-            prefill_logits.append(model.forward(tokens, start, last_logits_only=True)[0, -1])
+        prefill_logits.append(model.forward(tokens, start, last_logits_only=True, first_row=row)[0, -1])
     return decode_logits, prefill_logits
 
 
@@ -166,7 +135,7 @@ class PlanChannel:
         return box[0]
 
 
-def follow_plans(model: Transformer, decode_step: Optional[DecodeStep], channel: PlanChannel) -> None:
+def follow_plans(model: RuntimeTransformer, decode_step: Optional[DecodeStep], channel: PlanChannel) -> None:
     """Run rank 0's plans in this process until it sends the stop."""
     while not (plan := channel.receive()).stop:
         run_plan(model, decode_step, plan)
@@ -189,7 +158,7 @@ class Engine:
 
     def __init__(
         self,
-        model: Transformer,
+        model: RuntimeTransformer,
         tokenizer: Tokenizer,
         decode_step: Optional[DecodeStep] = None,
         max_queue: int = 64,

@@ -11,12 +11,11 @@ import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 
 from llama.checkpoint import LoadReport, load_checkpoint
-from llama.cpu import speed_up_for_cpu
-from llama.cuda_graphs import CUDAGraphDecodeStep
-from llama.decoding import BatchDecoder, StopReason, StreamChunk, checked_gen_len, compiled_decode_step
-from llama.model import Transformer
-from llama.parallel_layers import use_parallel_layers
+from llama.checks import checked_gen_len
+from llama.decoding import BatchDecoder, StopReason, StreamChunk
 from llama.progress import AnnouncedCompiles, Speed, Stopwatch
+from llama.runtime import DecodeStep, RuntimeTransformer, compiled_decode_step, for_runtime
+from llama.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.tokenizer import ChatFormat, Dialog, Message, Tokenizer
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -90,24 +89,30 @@ class Llama:
         """
         start = time.time()
         model, tokenizer, report = load_checkpoint(
-            ckpt_dir, tokenizer_path, max_seq_len, max_batch_size, model_parallel_size, seed,
-            device, dtype, version, timeout, quantize,
-        )  # fmt: skip
-        # Runtime choices, all made here: faster layers of the same weights and math, the compiled step if asked.
-        generator = Llama(use_inference_layers(model), tokenizer)
-        if compile:
-            generator.compile_decode_step()
-        elif use_cuda_graphs(generator.device, fs_init.get_model_parallel_world_size(), cuda_graphs):
-            generator.decoder.decode_step = CUDAGraphDecodeStep(model)
-        report.seconds = time.time() - start  # with the runtime choices' time
+            ckpt_dir,
+            tokenizer_path,
+            max_seq_len,
+            max_batch_size,
+            model_parallel_size,
+            seed,
+            device,
+            dtype,
+            version,
+            timeout,
+            quantize,
+        )
+        mp_size = fs_init.get_model_parallel_world_size()
+        runtime, decode_step = for_runtime(model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size)
+        generator = Llama(runtime, tokenizer, decode_step)
+        report.seconds = time.time() - start  # with the runtime's choices
         generator.load_report = report
         return generator
 
-    def __init__(self, model: Transformer, tokenizer: Tokenizer):
+    def __init__(self, model: RuntimeTransformer, tokenizer: Tokenizer, decode_step: Optional[DecodeStep] = None):
         self.model = model
         self.tokenizer = tokenizer
         self.formatter = ChatFormat(tokenizer)
-        self.decoder = BatchDecoder(model, tokenizer)
+        self.decoder = BatchDecoder(model, tokenizer, decode_step)
 
     def compile_decode_step(self) -> None:
         """From now on, decode one token per row with `Transformer.decode_step` compiled by torch.compile.
@@ -124,9 +129,14 @@ class Llama:
 
     @torch.inference_mode()
     def generate(
-        self, prompt_tokens: List[List[int]], max_gen_len: Optional[int], temperature: float = 0.6, top_p: float = 0.9,
-        logprobs: bool = False, echo: bool = False,
-    ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:  # fmt: skip
+        self,
+        prompt_tokens: List[List[int]],
+        max_gen_len: Optional[int],
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
+        logprobs: bool = False,
+        echo: bool = False,
+    ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
         """Generate token sequences for a batch of tokenized prompts.
 
         Args:
@@ -151,9 +161,14 @@ class Llama:
         return out_tokens, out_logprobs if logprobs else None
 
     def text_completion(
-        self, prompts: List[str], temperature: float = 0.6, top_p: float = 0.9, max_gen_len: Optional[int] = None,
-        logprobs: bool = False, echo: bool = False,
-    ) -> List[CompletionPrediction]:  # fmt: skip
+        self,
+        prompts: List[str],
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
+        max_gen_len: Optional[int] = None,
+        logprobs: bool = False,
+        echo: bool = False,
+    ) -> List[CompletionPrediction]:
         """Complete each text prompt.
 
         Args:
@@ -182,9 +197,13 @@ class Llama:
 
     @torch.inference_mode()
     def chat_completion(
-        self, dialogs: List[Dialog], temperature: float = 0.6, top_p: float = 0.9, max_gen_len: Optional[int] = None,
+        self,
+        dialogs: List[Dialog],
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
+        max_gen_len: Optional[int] = None,
         logprobs: bool = False,
-    ) -> List[ChatPrediction]:  # fmt: skip
+    ) -> List[ChatPrediction]:
         """Answer each dialog as the assistant.
 
         Args:
@@ -218,7 +237,11 @@ class Llama:
 
     @torch.inference_mode()
     def text_completion_stream(
-        self, prompts: List[str], temperature: float = 0.6, top_p: float = 0.9, max_gen_len: Optional[int] = None
+        self,
+        prompts: List[str],
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
+        max_gen_len: Optional[int] = None,
     ) -> Iterator[StreamChunk]:
         """Like `text_completion`, but yields each prompt's new text as soon as it can be decoded.
 
@@ -234,7 +257,11 @@ class Llama:
 
     @torch.inference_mode()
     def chat_completion_stream(
-        self, dialogs: List[Dialog], temperature: float = 0.6, top_p: float = 0.9, max_gen_len: Optional[int] = None
+        self,
+        dialogs: List[Dialog],
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
+        max_gen_len: Optional[int] = None,
     ) -> Iterator[StreamChunk]:
         """Like `chat_completion`, but yields each answer's new text as soon as it can be decoded.
 
@@ -256,21 +283,6 @@ class Llama:
         """max_gen_len as an int, where None means as many tokens as the context allows (max_seq_len - 1)."""
         max_gen_len = checked_gen_len(max_gen_len)
         return self.model.params.max_seq_len - 1 if max_gen_len is None else max_gen_len
-
-
-def use_inference_layers(model: Transformer) -> Transformer:
-    """Replace the model's fairscale layers, in place, with layers of the same weights and math that run faster
-    for inference: the CPU kernels of `llama.cpu` where they apply, then `llama.parallel_layers` for the rest
-    (collectives called directly, skipped in one process). Returns the model."""
-    speed_up_for_cpu(model)
-    use_parallel_layers(model)
-    return model
-
-
-def use_cuda_graphs(device: torch.device, model_parallel_size: int, requested: bool) -> bool:
-    """Whether `Llama.build` decodes through `CUDAGraphDecodeStep`: when asked (the default) on a CUDA device in one
-    process. Under model parallelism the step holds NCCL all-reduces, which are left to eager launches."""
-    return requested and device.type == "cuda" and model_parallel_size == 1
 
 
 def encode_prompts(tokenizer: Tokenizer, prompts: List[str]) -> List[List[int]]:

@@ -5,7 +5,7 @@ fairscale's layers. Module names are the checkpoint's keys, so a Meta state dict
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple, Union
+from typing import Optional, Tuple
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
@@ -114,9 +114,6 @@ def precompute_freqs_cis(
 
 
 def reshape_for_broadcast(freqs_cis: torch.Tensor, x: torch.Tensor):
-    if freqs_cis.ndim == 3:  # (bsz, seqlen, head_dim // 2): each row at positions of its own (decode_step)
-        assert freqs_cis.shape == (x.shape[0], x.shape[1], x.shape[-1])
-        return freqs_cis.view(x.shape[0], x.shape[1], 1, x.shape[-1])
     ndim = x.ndim
     assert 0 <= 1 < ndim
     assert freqs_cis.shape == (x.shape[1], x.shape[-1])
@@ -150,29 +147,12 @@ class KVCache(nn.Module):
         self.register_buffer("cache_k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("cache_v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
-    def update(
-        self, start_pos: Union[int, torch.Tensor], xk: torch.Tensor, xv: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Store the keys and values of the new positions; return those of every position to attend to.
-
-        With an int `start_pos`, positions [start_pos, start_pos + seqlen) are written and the cache up to them is
-        returned. `Transformer.decode_step` passes a one-element tensor instead, so that shapes never change from
-        one step to the next (one compiled graph serves them all): that position is written and the whole cache is
-        returned, its unwritten positions left for the caller's mask to hide. A tensor of bsz positions (one new
-        position per row) writes each row at its own.
-        """
+    def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Store the keys and values of positions [start_pos, start_pos + seqlen); return those of every position
+        up to the last one stored, the ones the new positions attend to."""
         bsz, seqlen = xk.shape[:2]
         if (self.cache_k.device, self.cache_k.dtype) != (xk.device, xk.dtype):  # follow the activations
             self.cache_k, self.cache_v = self.cache_k.to(xk), self.cache_v.to(xv)
-        if isinstance(start_pos, torch.Tensor) and len(start_pos) == 1:
-            self.cache_k[:bsz].index_copy_(1, start_pos, xk)
-            self.cache_v[:bsz].index_copy_(1, start_pos, xv)
-            return self.cache_k[:bsz], self.cache_v[:bsz]
-        if isinstance(start_pos, torch.Tensor):
-            rows = torch.arange(bsz, device=xk.device)
-            self.cache_k[rows, start_pos] = xk[:, 0]
-            self.cache_v[rows, start_pos] = xv[:, 0]
-            return self.cache_k[:bsz], self.cache_v[:bsz]
         end = start_pos + seqlen
         self.cache_k[:bsz, start_pos:end] = xk
         self.cache_v[:bsz, start_pos:end] = xv
@@ -203,21 +183,18 @@ class Attention(nn.Module):
         )
 
         self.kv_cache = KVCache(args.max_batch_size, args.max_seq_len, self.n_local_kv_heads, self.head_dim)
-        # Where the device has a faster kernel for one new position's attention (llama.cpu sets it): a function
-        # of (xq, keys, values) in the layout passed to scaled_dot_product_attention below.
-        self.one_position_attention: Optional[Callable] = None
 
     def forward(
         self,
         x: torch.Tensor,
-        start_pos: Union[int, torch.Tensor],  # a one-element tensor from Transformer.decode_step
+        start_pos: int,
         freqs_cis: torch.Tensor,
         mask: Optional[torch.Tensor],
     ):
         """Attend from the new positions of `x` to themselves and to the cached ones.
 
-        `mask` is added to the scores, or, for a boolean mask, says which positions may be attended to. None means
-        no mask for one new position, and the causal mask for several: a prompt that starts at position 0.
+        `mask` is added to the scores. None means no mask for one new position, and the causal mask for several:
+        a prompt that starts at position 0.
         """
         bsz, seqlen, _ = x.shape
         xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
@@ -230,24 +207,15 @@ class Attention(nn.Module):
         keys, values = self.kv_cache.update(start_pos, xk, xv)
 
         xq = xq.transpose(1, 2)  # (bsz, n_local_heads, seqlen, head_dim)
-        keys = keys.transpose(1, 2)  # (bsz, n_local_kv_heads, positions attended, head_dim)
-        values = values.transpose(1, 2)  # (bsz, n_local_kv_heads, positions attended, head_dim)
-        # softmax(xq keys^T / sqrt(head_dim) + mask) values, fused: the scores are never stored whole, and each
-        # kv head serves n_rep query heads without being copied (grouped-query attention). A prompt from position 0
-        # is masked by the kernel itself (is_causal), which skips the blocks above the diagonal.
-        if seqlen == 1 and mask is None and self.one_position_attention is not None:
-            output = self.one_position_attention(xq, keys, values)
-        elif seqlen == 1 and mask is not None and self.n_rep > 1:
-            # One new position over the whole cache (decode_step): masked kernels cannot share kv heads (enable_gqa
-            # copies them n_rep times), so each kv head's n_rep query heads attend as n_rep rows of one head: the
-            # same scores, nothing copied. CUDA's kernels return those rows transposed in memory, hence reshape.
-            grouped = xq.reshape(bsz, self.n_local_kv_heads, self.n_rep, self.head_dim)
-            output = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-            output = output.reshape(bsz, self.n_local_heads, 1, self.head_dim)
-        else:
-            output = F.scaled_dot_product_attention(
-                xq, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1, enable_gqa=self.n_rep > 1
-            )
+        keys = keys.transpose(1, 2)  # (bsz, n_local_kv_heads, cache_len + seqlen, head_dim)
+        values = values.transpose(1, 2)  # (bsz, n_local_kv_heads, cache_len + seqlen, head_dim)
+        # softmax(xq keys^T / sqrt(head_dim) + mask) values, in one fused kernel: the scores are never stored whole,
+        # and each kv head serves its n_rep query heads without being copied (grouped-query attention; Meta's code
+        # copies them with repeat_kv). A prompt from position 0 is masked by the kernel itself (is_causal), which
+        # skips the blocks above the diagonal.
+        output = F.scaled_dot_product_attention(
+            xq, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1, enable_gqa=self.n_rep > 1
+        )
         output = output.transpose(1, 2).contiguous().view(bsz, seqlen, -1)
         return self.wo(output)
 
@@ -299,15 +267,11 @@ class TransformerBlock(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        start_pos: Union[int, torch.Tensor],
+        start_pos: int,
         freqs_cis: torch.Tensor,
         mask: Optional[torch.Tensor],
-        last_position_only: bool = False,
     ):
-        attended = self.attention(self.attention_norm(x), start_pos, freqs_cis, mask)
-        if last_position_only:  # every position's keys and values are cached now; only the last output is wanted
-            x, attended = x[:, -1:], attended[:, -1:]
-        h = x + attended
+        h = x + self.attention(self.attention_norm(x), start_pos, freqs_cis, mask)
         out = h + self.feed_forward(self.ffn_norm(h))
         return out
 
@@ -343,7 +307,7 @@ class Transformer(nn.Module):
 
     def init_kv_caches(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
         """Allocate zeroed KV caches and the RoPE table on `device`: after building on the meta device, or to start
-        afresh. Both `forward` and `decode_step` can run from then on."""
+        afresh."""
         params = self.params
         for layer in self.layers:
             attention = layer.attention
@@ -353,48 +317,29 @@ class Transformer(nn.Module):
         self.freqs_cis = self.rope_table(device)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int, last_logits_only: bool = False):
+    def forward(self, tokens: torch.Tensor, start_pos: int):
         _bsz, seqlen = tokens.shape
         h = self.tok_embeddings(tokens)
         if self.freqs_cis is None or self.freqs_cis.device != h.device:
             self.freqs_cis = self.rope_table(h.device)
         freqs_cis = self.freqs_cis[start_pos : start_pos + seqlen]
-
-        # One new position attends to the whole cache: no mask. A prompt from position 0 gets the causal mask
-        # from the attention kernel itself (mask None). Any other chunk of positions needs it written out.
-        mask = None
-        if seqlen > 1 and start_pos > 0:
-            mask = torch.full((seqlen, seqlen), float("-inf"), device=tokens.device)
-            mask = torch.triu(mask, diagonal=1)
-            # Row i is the token at position start_pos + i. It sees all start_pos cached positions (zeros on the
-            # left) and the new ones up to itself, so the -inf triangle sits start_pos columns to the right.
-            mask = torch.hstack([torch.zeros((seqlen, start_pos), device=tokens.device), mask]).type_as(h)
-
-        # Sampling needs only the next token's distribution: with last_logits_only, the last layer's feed-forward
-        # and the output head skip the other positions.
+        mask = causal_mask(seqlen, start_pos, h)
         for layer in self.layers:
-            h = layer(h, start_pos, freqs_cis, mask, last_position_only=last_logits_only and layer is self.layers[-1])
+            h = layer(h, start_pos, freqs_cis, mask)
         h = self.norm(h)
         output = self.output(h).float()
         return output
 
-    @torch.inference_mode()
-    def decode_step(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """`forward(tokens, start_pos)` for one new token per row, in shapes that stay the same at every step.
 
-        `position` is start_pos as a one-element tensor, and attention runs over the whole cache with the
-        positions after it masked out, so that one compiled step (torch.compile, CUDA graphs) serves them all.
-        With bsz positions instead, each row is at its own (a batch whose requests started at different times,
-        `llama.engine`). The RoPE table must exist: `init_kv_caches` or a first `forward` made it.
-        """
-        h = self.tok_embeddings(tokens)  # (bsz, 1, dim)
-        cache_positions = torch.arange(self.params.max_seq_len, device=tokens.device)
-        mask = cache_positions[None, :] <= position[:, None]  # (1 or bsz, max_seq_len): the positions written so far
-        if len(position) == 1:
-            freqs_cis = self.freqs_cis[position]  # (1, head_dim // 2)
-        else:
-            freqs_cis = self.freqs_cis[position][:, None]  # (bsz, 1, head_dim // 2)
-            mask = mask[:, None, None, :]  # (bsz, 1, 1, max_seq_len): each row's own, for every head
-        for layer in self.layers:
-            h = layer(h, position, freqs_cis, mask)
-        return self.output(self.norm(h)).float()
+def causal_mask(seqlen: int, start_pos: int, h: torch.Tensor) -> Optional[torch.Tensor]:
+    """The mask added to the attention scores of `seqlen` new positions after `start_pos` cached ones.
+
+    One new position attends to the whole cache: no mask. A prompt from position 0 gets the causal mask from the
+    attention kernel itself (None). Any other chunk of positions needs it written out: row i is the token at
+    position start_pos + i, which sees all start_pos cached positions (zeros on the left) and the new ones up to
+    itself, so the -inf triangle sits start_pos columns to the right.
+    """
+    if seqlen == 1 or start_pos == 0:
+        return None
+    mask = torch.triu(torch.full((seqlen, seqlen), float("-inf"), device=h.device), diagonal=1)
+    return torch.hstack([torch.zeros((seqlen, start_pos), device=h.device), mask]).type_as(h)

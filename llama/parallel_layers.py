@@ -9,19 +9,17 @@ graphs (and CUDA graphs), with Python between them. These layers skip the sum in
 graph of several processes run it as a functional all-reduce, which the graph includes: the decode step
 compiles to a single graph.
 
-`load_model` uses them on every device (on CPU the linear layers are their subclass `llama.cpu.CPULinear`). In
+`llama.runtime` uses them on every device (on CPU the linear layers are their subclass `llama.cpu.CPULinear`). In
 eager decoding they also skip the cost of fairscale's autograd.Functions: about 220 calls of 4 to 8 us per token
 for Llama 3 8B in one process, some 1.5 ms, which on a GPU is several percent of an eager step.
 """
-
-from typing import Iterator, Tuple
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
-from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from fairscale.nn.model_parallel.layers import RowParallelLinear
 from fairscale.nn.model_parallel.mappings import gather_from_model_parallel_region, reduce_from_model_parallel_region
 
 
@@ -85,33 +83,3 @@ class ParallelEmbedding(InferenceLayer):
         outside = (tokens < start) | (tokens >= end)
         rows = F.embedding((tokens - start).masked_fill(outside, 0), self.weight)
         return sum_over_model_parallel_group(rows.masked_fill(outside[..., None], 0.0))
-
-
-def layers_of_kind(model: nn.Module, kind) -> Iterator[Tuple[nn.Module, str, nn.Module]]:
-    """(parent, name, submodule) for every submodule of `model` of type `kind` that runs, for replacing it in place
-    (`setattr(parent, name, ...)`): the fairscale layer an `InferenceLayer` holds is not run, and is left out."""
-    for module in list(model.modules()):
-        if isinstance(module, InferenceLayer):
-            continue
-        for name, child in list(module.named_children()):
-            if isinstance(child, kind):
-                yield module, name, child
-
-
-def replace_layers(model: nn.Module, kind, replacement) -> None:
-    """Replace every submodule of `model` of type `kind` with `replacement(submodule)`, in place."""
-    for module, name, child in layers_of_kind(model, kind):
-        setattr(module, name, replacement(child))
-
-
-def use_parallel_layers(model: nn.Module) -> None:
-    """Replace fairscale's linear layers and embedding in `model` with these, in place; layers already replaced
-    (such as `llama.cpu.CPULinear`) stay as they are."""
-    replace_layers(model, (ColumnParallelLinear, RowParallelLinear), ParallelLinear)
-    replace_layers(model, VocabParallelEmbedding, ParallelEmbedding)
-
-
-def unpack_layers(model: nn.Module) -> None:
-    """Undo `use_parallel_layers` and `llama.cpu.use_cpu_linear_layers`, in place: fairscale's layers, as in
-    Meta's code."""
-    replace_layers(model, InferenceLayer, InferenceLayer.unpack)

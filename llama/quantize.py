@@ -9,21 +9,21 @@ Scales never depend on how a weight is split over model-parallel processes: an i
 (wo, w2) takes the largest magnitude of the whole row (an all-reduce over the group), and int4 groups never
 straddle a split. So 1 and N processes quantize every weight identically.
 
-The same values can be written once, as a quantized checkpoint (`python -m llama.convert quantize`, layout below
-`SAVED_DTYPE`), and loaded as stored.
+The same values can be written once, as a quantized checkpoint (`python -m llama.convert quantize`; its layout is
+`llama.checkpoint.quantized`'s), and loaded as stored. `llama.runtime.quantize_model` quantizes a model built as
+Meta's code builds it.
 """
 
-import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from fairscale.nn.model_parallel.layers import RowParallelLinear
 from torch import nn
 
-from llama.parallel_layers import ParallelLinear, replace_layers
+from llama.parallel_layers import ParallelLinear
 
 SCHEMES = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 32  # the most accurate; no slower than larger groups (docs/quantize.md)
@@ -164,7 +164,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales)
         # Off the CPU, the most rows for which PyTorch's int8 kernel runs the product; beyond them the weight is
-        # widened to the activations' dtype inside it. `choose_int8_kernels` sets it by timing both.
+        # widened to the activations' dtype inside it. The runtime's `choose_int8_kernels` sets it by timing both.
         self.int8_kernel_rows = 0
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,91 +255,6 @@ def quantize_layer(layer: nn.Module, scheme: str, group_size: Optional[int] = No
     return Int8Linear(layer, *quantize_int8(weight, weight.dtype, absmax))
 
 
-def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = None) -> nn.Module:
-    """Quantize every linear layer of a `Transformer` and its output head, in place; return the model.
-
-    Works on a model built as Meta's code builds it (fairscale's layers, weights loaded) and on `Llama.build`'s.
-    With several model-parallel processes, call it in all of them: each quantizes its own slice. On a GPU, the int8
-    layers' products are then timed (`choose_int8_kernels`).
-
-    Args:
-        model: The Transformer, with its weights.
-        scheme: "int8" (one scale per output channel) or "int4" (groups along the input).
-        group_size: int4's group size, one of 256, 128, 64 or 32 (default). A layer whose input width it does not
-            divide takes the largest smaller size that does; a layer that int4 cannot hold (an input width that is
-            not a multiple of 32, or outputs not a multiple of 16) is quantized to int8 instead.
-
-    Raises:
-        ValueError: for an unknown scheme or group size, or a device PyTorch has no kernel for.
-    """
-    check_scheme(scheme)
-    if scheme == "int4":
-        check_group_size(group_size)
-    weight = model.tok_embeddings.weight
-    check_device(weight.device, scheme, weight.dtype)
-    replace_layers(
-        model,
-        (ColumnParallelLinear, RowParallelLinear, ParallelLinear),
-        lambda layer: layer if is_quantized(layer) else quantize_layer(layer, scheme, group_size),
-    )
-    choose_int8_kernels(model)
-    return model
-
-
-# Row counts at which `choose_int8_kernels` times the two int8 products: a decode step's, a batch's, a prompt's.
-TIMED_ROWS = (1, 8, 256)
-
-
-def choose_int8_kernels(model: nn.Module, repeats: int = 20) -> Dict[Tuple[int, int], int]:
-    """On a GPU, time each int8 weight shape's product both ways (PyTorch's int8 kernel, and the weight widened
-    inside `F.linear`) at each of `TIMED_ROWS`, and run eager products of up to the most rows at which the int8
-    kernel was faster (and at every smaller count timed) on it; returns that row count per (out, in) shape.
-
-    The two give the same products up to the order of float32 sums. Their speed depends on the GPU and on the
-    PyTorch build (an int8 kernel that reads the weight once can beat bfloat16; one that reads it badly is slower
-    than widening it), so it is measured rather than assumed. Compiled steps always widen: torch.compile fuses it.
-    """
-    choices: Dict[Tuple[int, int], int] = {}
-    for layer in model.modules():
-        if not isinstance(layer, Int8Linear) or layer.weight.device.type == "cpu":
-            continue
-        shape = tuple(layer.weight.shape)
-        if shape not in choices:
-            choices[shape] = 0
-            for rows in TIMED_ROWS:
-                x = torch.randn(rows, shape[1], device=layer.weight.device, dtype=layer.scales.dtype)
-                if fastest({"int8": layer.int8_product, "widened": layer.widened_product}, x, repeats) != "int8":
-                    break
-                choices[shape] = rows
-        layer.int8_kernel_rows = choices[shape]
-    return choices
-
-
-def fastest(products: Dict[str, Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, repeats: int) -> str:
-    """The name of the product that runs `x` fastest (the median of `repeats` timed calls, after one untimed);
-    one that raises (no such kernel on this device or build) is out of the running."""
-    times = {}
-    for name, product in products.items():
-        try:
-            product(x)
-        except (RuntimeError, NotImplementedError):
-            continue
-        samples = []
-        for _ in range(repeats):
-            synchronize(x.device)
-            start = time.perf_counter()
-            product(x)
-            synchronize(x.device)
-            samples.append(time.perf_counter() - start)
-        times[name] = sorted(samples)[len(samples) // 2]
-    return min(times, key=times.get)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def is_quantized(layer: nn.Module) -> bool:
     return isinstance(layer, QuantizedLinear)
 
@@ -347,47 +262,3 @@ def is_quantized(layer: nn.Module) -> bool:
 def quantized_bytes(model: nn.Module) -> int:
     """Bytes of the quantized layers' tensors (quantized values, scales and zeros) in `model`."""
     return sum(t.numel() * t.element_size() for m in model.modules() if is_quantized(m) for t in m.buffers())
-
-
-# A quantized checkpoint (`python -m llama.convert quantize`) stores each linear layer of the model as
-# "<name>.weight" (int8, or for int4 two 4-bit values per uint8: even inputs in the low nibble), "<name>.scales"
-# and, for int4, "<name>.zeros", in the portable layout of `quantize_int8` and `quantize_int4`; params.json names
-# the scheme under "quantization". The kernel's layout is made at load, for the device at hand.
-SAVED_DTYPE = torch.bfloat16  # quantized checkpoints are made from bfloat16 weights and hold bfloat16 floats
-
-
-def saved_shapes(
-    rows: int, cols: int, row_parallel: bool, scheme: str, group_size: Optional[int], mp_size: int
-) -> Dict[str, torch.Size]:
-    """The shapes of one process's slice of what a quantized checkpoint stores for a linear layer whose whole
-    weight is `rows` x `cols`, by tensor name.
-
-    Raises:
-        ValueError: when splitting the layer over `mp_size` processes would cut its int4 groups.
-    """
-    size = int4_group_for(rows, cols, group_size, row_parallel, mp_size) if scheme == "int4" else None
-    rows, cols = (rows, cols // mp_size) if row_parallel else (rows // mp_size, cols)
-    if size is None:  # int8; a split row keeps the whole row's scale
-        return {"weight": torch.Size([rows, cols]), "scales": torch.Size([rows])}
-    groups = torch.Size([rows, cols // size])
-    return {"weight": torch.Size([rows, cols // 2]), "scales": groups, "zeros": groups}
-
-
-def quantize_for_saving(weight: torch.Tensor, scheme: str, group_size: Optional[int]) -> Dict[str, torch.Tensor]:
-    """What a quantized checkpoint stores for a linear layer, given its whole floating-point `weight`."""
-    weight = weight.to(SAVED_DTYPE)
-    size = int4_group_for(*weight.shape, group_size) if scheme == "int4" else None
-    if size is None:
-        q, scales = quantize_int8(weight, SAVED_DTYPE)
-        return {"weight": q, "scales": scales}
-    q, scales, zeros = quantize_int4(weight, size, SAVED_DTYPE)
-    return {"weight": q, "scales": scales, "zeros": zeros}
-
-
-def layer_from_saved(
-    layer: nn.Module, weight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor] = None
-) -> QuantizedLinear:
-    """The quantized layer for this process's slice of what a quantized checkpoint stores for `layer`."""
-    if zeros is None:
-        return Int8Linear(layer, weight, scales)
-    return Int4Linear(layer, weight, scales, zeros)

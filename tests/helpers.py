@@ -123,16 +123,22 @@ GQA_PARAMS = {  # 4 query heads share 2 kv heads
 }
 
 
-def load_tiny(tmp_path, weights, dtype, max_seq_len=32):
-    """`weights` (of GQA_PARAMS) written as a checkpoint under tmp_path and loaded as `Llama.build` loads it, on
-    CPU, with `max_seq_len` and max_batch_size 2."""
+def load_reference(tmp_path, weights, dtype, max_seq_len=32):
+    """`weights` (of GQA_PARAMS) written as a checkpoint under tmp_path and loaded as Meta's code builds the model
+    (fairscale's layers, the reference `Transformer`), on CPU, with `max_seq_len` and max_batch_size 2."""
     from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
-    from llama.generation import use_inference_layers
 
     write_meta_checkpoint(tmp_path / "ckpt", GQA_PARAMS, weights)
     reader = open_checkpoint(tmp_path / "ckpt")
     args = model_args_from(reader.params, max_seq_len=max_seq_len, max_batch_size=2)[0]
-    return use_inference_layers(load_model(reader, args, 0, 1, torch.device("cpu"), dtype))
+    return load_model(reader, args, 0, 1, torch.device("cpu"), dtype)
+
+
+def load_tiny(tmp_path, weights, dtype, max_seq_len=32):
+    """The same, as `Llama.build` runs it: through `llama.runtime.for_runtime`."""
+    from llama.runtime import for_runtime
+
+    return for_runtime(load_reference(tmp_path, weights, dtype, max_seq_len))[0]
 
 
 def incremental_logits(model, tokens: torch.Tensor, steps: list) -> torch.Tensor:
@@ -171,9 +177,10 @@ def reference_attention(xq, keys, values, mask, n_rep: int) -> torch.Tensor:
     return torch.matmul(scores, values).transpose(1, 2).reshape(bsz, seqlen, -1)
 
 
-def reference_attention_forward(self, x, start_pos, freqs_cis, mask):
+def reference_attention_forward(self, x, start_pos, freqs_cis, mask, first_row=0):
     """`Attention.forward` as Meta wrote it: our projections, RoPE and cache, then `reference_attention` under
-    Meta's mask, built here (the `mask` our Transformer passes is not used)."""
+    Meta's mask, built here (the `mask` our Transformer passes is not used); the batch in the cache's rows from
+    `first_row` on, as `llama.runtime.RuntimeAttention` takes it."""
     from llama.model import apply_rotary_emb
 
     bsz, seqlen, _ = x.shape
@@ -183,14 +190,16 @@ def reference_attention_forward(self, x, start_pos, freqs_cis, mask):
     xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
     xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
     cache = self.kv_cache
-    cache.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
-    cache.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
-    keys, values = cache.cache_k[:bsz, : start_pos + seqlen], cache.cache_v[:bsz, : start_pos + seqlen]
+    rows = slice(first_row, first_row + bsz)
+    cache.cache_k[rows, start_pos : start_pos + seqlen] = xk
+    cache.cache_v[rows, start_pos : start_pos + seqlen] = xv
+    keys, values = cache.cache_k[rows, : start_pos + seqlen], cache.cache_v[rows, : start_pos + seqlen]
     return self.wo(reference_attention(xq, keys, values, mask, self.n_rep))
 
 
 def with_reference_attention(model):
-    """`model` (a Transformer), its attention layers switched to `reference_attention_forward`."""
+    """`model` (a `Transformer` or a `RuntimeTransformer`), its attention layers switched to
+    `reference_attention_forward`."""
     for layer in model.layers:
         layer.attention.forward = types.MethodType(reference_attention_forward, layer.attention)
     return model

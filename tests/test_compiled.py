@@ -10,10 +10,10 @@ import torch
 from helpers import ATOL, GQA_PARAMS, load_tiny
 from torch._dynamo.utils import counters
 
-from llama.decoding import compiled_decode_step
 from llama.demo import random_weights
 from llama.model import Transformer
-from llama.parallel_layers import ParallelLinear, unpack_layers
+from llama.parallel_layers import ParallelLinear
+from llama.runtime import compiled_decode_step, unpack_layers
 
 
 def static_steps(step, model: Transformer, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from helpers import (
     GQA_PARAMS,
     causal_mask,
     incremental_logits,
+    load_reference,
     load_tiny,
     reference_attention,
     with_reference_attention,
@@ -30,6 +31,7 @@ import llama.cpu.kernels
 import llama.cpu.layers
 from llama.cpu import (
     CPULinear,
+    FusedProduct,
     fbgemm_fp16_supported,
     fp16_linear,
     holds_bfloat16_values,
@@ -38,7 +40,8 @@ from llama.cpu import (
 )
 from llama.demo import random_weights
 from llama.model import Transformer
-from llama.parallel_layers import ParallelEmbedding, ParallelLinear, unpack_layers, use_parallel_layers
+from llama.parallel_layers import ParallelEmbedding, ParallelLinear
+from llama.runtime import use_parallel_layers
 
 
 def patch_cpu(monkeypatch, name: str, value) -> None:
@@ -50,9 +53,12 @@ def patch_cpu(monkeypatch, name: str, value) -> None:
 
 def reference_model(tmp_path, weights, dtype) -> Transformer:
     """The same checkpoint as `load_tiny` gives, run as Meta's code runs it: `F.linear`, attention step by step."""
-    model = load_tiny(tmp_path, weights, dtype)
-    unpack_layers(model)
-    return with_reference_attention(model)
+    return with_reference_attention(load_reference(tmp_path, weights, dtype))
+
+
+def copy_holder(model: nn.Module, layer: CPULinear) -> nn.Module:
+    """What holds `layer`'s copy for the kernels that run on one: the `FusedProduct` it is part of, or itself."""
+    return next((m for m in model.modules() if isinstance(m, FusedProduct) and layer in m.layers), layer)
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -197,8 +203,7 @@ def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_gr
     monkeypatch.setenv("LLAMA_CPU_KERNEL", "onednn")
     weights = random_weights(GQA_PARAMS, seed=15)
     packed = load_tiny(tmp_path / "packed", weights, torch.bfloat16)
-    plain = load_tiny(tmp_path / "plain", weights, torch.bfloat16)
-    unpack_layers(plain)
+    plain = load_reference(tmp_path / "plain", weights, torch.bfloat16)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(7))
 
     def steps(model):
@@ -206,7 +211,7 @@ def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_gr
 
     before = steps(packed)
     assert torch.equal(before, steps(plain))
-    assert all("onednn" in (m.fused or m).packed for m in packed.modules() if isinstance(m, CPULinear))
+    assert all("onednn" in copy_holder(packed, m).packed for m in packed.modules() if isinstance(m, CPULinear))
 
     with torch.no_grad():
         for model in (packed, plain):
@@ -229,13 +234,12 @@ def test_parallel_layers_compute_what_fairscale_layers_do(process_group, tmp_pat
     """The layers a loaded model runs on (`llama.parallel_layers`, as on a GPU) give fairscale's logits bit for bit,
     under the same state-dict keys."""
     weights = random_weights(GQA_PARAMS, seed=17)
-    model = load_tiny(tmp_path / "ckpt", weights, dtype)
-    assert isinstance(model.tok_embeddings, ParallelEmbedding)
-    unpack_layers(model)
+    model = load_reference(tmp_path / "ckpt", weights, dtype)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(9))
     expected = incremental_logits(model, tokens, [6, 1, 1, 1, 1])
     keys = model.state_dict().keys()
     use_parallel_layers(model)
+    assert isinstance(model.tok_embeddings, ParallelEmbedding)
     assert isinstance(model.layers[1].attention.wo, ParallelLinear)
     assert model.state_dict().keys() == keys
     assert torch.equal(incremental_logits(model, tokens, [6, 1, 1, 1, 1]), expected)
@@ -249,7 +253,8 @@ def test_no_packed_copies_without_memory_for_them(process_group, tmp_path, monke
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(7))
     incremental_logits(model, tokens, [6, 1, 1])
     layers = [m for m in model.modules() if isinstance(m, CPULinear)]
-    assert layers and not any(m.packed or m.fused for m in layers)
+    assert layers and not any(m.packed for m in layers)
+    assert not any(isinstance(m, FusedProduct) for m in model.modules())
     assert not any({"fp16", "onednn"} & set(m.kernels.values()) for m in layers if m.weight.dtype == torch.bfloat16)
 
 
@@ -313,7 +318,7 @@ def test_bfloat16_on_float16_copies_keeps_the_reference_results(process_group, t
     fast = load_tiny(tmp_path / "fast", weights, torch.bfloat16)
     layers = [m for m in fast.modules() if isinstance(m, CPULinear)]
     assert layers and all(set(m.kernels.values()) == {"fp16"} for m in layers)
-    assert all("fp16" in (m.fused or m).packed for m in layers)  # made at load, before any input
+    assert all("fp16" in copy_holder(fast, m).packed for m in layers)  # made at load, before any input
     reference = reference_model(tmp_path / "reference", weights, torch.bfloat16)
     assert all(torch.equal(fast.state_dict()[k], v) for k, v in reference.state_dict().items())
 
@@ -347,7 +352,7 @@ def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tm
     fast = load_tiny(tmp_path / "fast", weights, torch.float32)
     layers = [m for m in fast.modules() if isinstance(m, CPULinear)]
     assert layers and all(
-        set(m.kernels.values()) == {"fp16"} and (m.fused or m).packed["fp16"][1] is not None for m in layers
+        set(m.kernels.values()) == {"fp16"} and copy_holder(fast, m).packed["fp16"][1] is not None for m in layers
     )
     assert "Made float16 copies of the weights" in caplog.text
     # The copy is what runs: a weight below 2**-17 comes out as float16 holds it.
@@ -378,7 +383,7 @@ def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tm
     caplog.clear()
     full_precision = load_tiny(tmp_path / "float32 values", trained, torch.float32)
     layers = [m for m in full_precision.modules() if isinstance(m, CPULinear)]
-    assert not any((m.fused or m).packed for m in layers)  # F.linear where the pinned kernel cannot run
+    assert not any(copy_holder(full_precision, m).packed for m in layers)  # F.linear where the pinned kernel cannot run
     assert "float16 copies" not in caplog.text
     expected = reference_model(tmp_path / "float32 reference", trained, torch.float32)(tokens, 0)
     assert (incremental_logits(full_precision, tokens, [24] + [1] * 8) - expected).abs().max() < ATOL
@@ -424,9 +429,9 @@ def test_float16_copies_follow_weight_edits(process_group, tmp_path, monkeypatch
     with torch.no_grad():
         attention.wq.weight[0, 0] = 1e5  # beyond float16's 65504: the three layers sharing its copy fall back
     x = torch.randn(3, GQA_PARAMS["dim"]).bfloat16()
-    for layer in (attention.wq, attention.wk, attention.wv):
-        assert torch.equal(layer(x), F.linear(x, layer.weight))
-    assert attention.wq.fused.packed["fp16"][1] is None
+    for layer, output in zip((attention.wq, attention.wk, attention.wv), attention.qkv(x)):
+        assert torch.equal(output, F.linear(x, layer.weight))
+    assert attention.qkv.packed["fp16"][1] is None
 
 
 @pytest.mark.parametrize(
@@ -437,17 +442,17 @@ def test_float16_copies_follow_weight_edits(process_group, tmp_path, monkeypatch
     ],
 )
 def test_layers_sharing_a_copy_each_give_their_own_product(process_group, tmp_path, monkeypatch, kernel):
-    """wq, wk and wv (and w1, w3) run as one product on one copy of their stacked weights (float16 for fbgemm,
-    oneDNN's layout for oneDNN), each taking its share: whatever the order of the calls and whichever inputs they
-    get, each layer gives the product of its own weight with its own input, bit for bit that of its weight's own
-    copy."""
+    """wq, wk and wv (and w1, w3) run as one product (`FusedQKV`, `FusedW13`, which `print(model)` names) on one copy
+    of their stacked weights (float16 for fbgemm, oneDNN's layout for oneDNN), each taking its share: for a prompt's
+    rows and for one row, each layer's output is bit for bit that of its weight's own copy."""
     monkeypatch.setenv("LLAMA_CPU_KERNEL", kernel)
     model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=21), torch.bfloat16)
     attention, feed_forward = model.layers[0].attention, model.layers[1].feed_forward
     qkv = (attention.wq, attention.wk, attention.wv)
-    assert attention.wq.fused is attention.wk.fused is attention.wv.fused is not None
-    assert feed_forward.w1.fused is feed_forward.w3.fused is not feed_forward.w2.fused
-    assert feed_forward.w2.fused is None and model.output.fused is None
+    assert attention.qkv.layers == qkv and feed_forward.w13.layers == (feed_forward.w1, feed_forward.w3)
+    grouped = [layer for m in model.modules() if isinstance(m, FusedProduct) for layer in m.layers]
+    assert feed_forward.w2 not in grouped and model.output not in grouped
+    assert "FusedQKV" in str(model) and "FusedW13" in str(model)  # print(model) says what runs
 
     def alone(layer, x):
         if kernel == "fp16":
@@ -457,15 +462,10 @@ def test_layers_sharing_a_copy_each_give_their_own_product(process_group, tmp_pa
     generator = torch.Generator().manual_seed(9)
     x, y = (torch.randn(2, 5, GQA_PARAMS["dim"], generator=generator).bfloat16() for _ in range(2))
     with torch.inference_mode():
-        assert all(torch.equal(layer(x), alone(layer, x)) for layer in qkv)  # the model's order
-        assert torch.equal(attention.wv(x), alone(attention.wv, x))  # out of order, and one alone
-        assert torch.equal(attention.wq(x), alone(attention.wq, x))
-        assert torch.equal(attention.wk(y), alone(attention.wk, y))  # another input before all took their share
-        assert torch.equal(attention.wv(x), alone(attention.wv, x))
-        assert torch.equal(attention.wq(x), alone(attention.wq, x))  # a layer asking twice for the same input
-        assert torch.equal(attention.wq(x), alone(attention.wq, x))
-        for layer in (feed_forward.w3, feed_forward.w1):
-            assert torch.equal(layer(y[:, :1]), alone(layer, y[:, :1]))
+        for input in (x, y[:, :1]):  # a prompt's rows and one row
+            assert all(torch.equal(out, alone(layer, input)) for layer, out in zip(qkv, attention.qkv(input)))
+            w1, w3 = feed_forward.w13(input)
+            assert torch.equal(w1, alone(feed_forward.w1, input)) and torch.equal(w3, alone(feed_forward.w3, input))
 
 
 def test_one_position_attention_rounds_as_meta_bfloat16_attention(process_group, monkeypatch):
@@ -491,9 +491,9 @@ def test_bfloat16_decoding_with_one_position_attention_gives_meta_logits(process
     without oneDNN's bfloat16 kernels `Llama.build` sets it."""
     patch_cpu(monkeypatch, "onednn_bf16_supported", lambda: False)
     weights = random_weights(GQA_PARAMS, seed=12)
+    monkeypatch.setenv("LLAMA_CPU_KERNEL", "linear")  # F.linear on both sides: only the attention differs
     fast = load_tiny(tmp_path / "fast", weights, torch.bfloat16)
     assert all(block.attention.one_position_attention is llama.cpu.one_position_attention for block in fast.layers)
-    unpack_layers(fast)  # F.linear on both sides: only the attention differs
     reference = reference_model(tmp_path / "reference", weights, torch.bfloat16)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 14), generator=torch.Generator().manual_seed(2))
     one_at_a_time = [1] * tokens.shape[1]
@@ -659,14 +659,14 @@ def test_a_float16_copy_is_made_only_where_it_repays_its_making_within_a_full_co
     prompt = torch.randint(0, GQA_PARAMS["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(3))
     short(prompt, 0)
     for layer in (m for m in short.modules() if isinstance(m, CPULinear)):
-        assert layer.kernels == fastest_but_fp16(layer) and "fp16" not in (layer.fused or layer).packed
+        assert layer.kernels == fastest_but_fp16(layer) and "fp16" not in copy_holder(short, layer).packed
 
     measured.clear()
     long = load_tiny(tmp_path / "long", weights, torch.bfloat16, max_seq_len=20 * llama.cpu.PROMPT_ROWS)
     assert measured == []
     for layer in (m for m in long.modules() if isinstance(m, CPULinear)):
         assert layer.kernels == {**fastest_but_fp16(layer), 256: "fp16"}
-        assert (layer.fused or layer).packed["fp16"][1] is not None  # made at load
+        assert copy_holder(long, layer).packed["fp16"][1] is not None  # made at load
 
 
 def fastest_but_fp16(layer: CPULinear) -> dict:

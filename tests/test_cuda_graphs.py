@@ -10,8 +10,8 @@ import llama.cuda_graphs as cuda_graphs
 from llama.checkpoint import check_kv_cache_fits
 from llama.cuda_graphs import CUDAGraphDecodeStep, decode_step_bytes
 from llama.demo import random_weights
-from llama.generation import use_cuda_graphs
 from llama.model import ModelArgs
+from llama.runtime import use_cuda_graphs
 
 
 class RerunGraph:
@@ -148,12 +148,12 @@ def test_cuda_graph_replays_the_eager_step_bit_for_bit(process_group, tmp_path, 
     """The real graphs on a GPU: the same kernels on the same inputs, so the eager step's logits bit for bit, for
     two batch sizes recorded one after the other and replayed in turn."""
     from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
-    from llama.generation import use_inference_layers
+    from llama.runtime import for_runtime
 
     write_meta_checkpoint(tmp_path / "ckpt", GQA_PARAMS, random_weights(GQA_PARAMS, seed=24))
     reader = open_checkpoint(tmp_path / "ckpt")
     args = model_args_from(reader.params, max_seq_len=32, max_batch_size=3)[0]
-    model = use_inference_layers(load_model(reader, args, 0, 1, torch.device("cuda"), dtype))
+    model = for_runtime(load_model(reader, args, 0, 1, torch.device("cuda"), dtype))[0]
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (3, 20), generator=torch.Generator().manual_seed(9)).cuda()
     step = CUDAGraphDecodeStep(model)
     for rows in (3, 1, 3):  # a second batch size, then the first one's graph again

@@ -110,7 +110,7 @@ def test_bad_batches_are_refused_before_decoding():
 
 
 def test_sample_next_falls_back_to_greedy_only_in_rows_that_overflow():
-    from llama.decoding import sample_next, sample_top_p
+    from llama.sampling import sample_next, sample_top_p
 
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.5], [1e30, 2e30, 0.0, -1e30]])
     # At 1e-9, row 0's scaled logits (about 3e9) are finite and the draw is certain; row 1's overflow to inf.

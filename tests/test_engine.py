@@ -8,7 +8,7 @@ import torch
 from helpers import ATOL, GQA_PARAMS, load_tiny
 
 from llama.demo import random_weights
-from llama.engine import Engine, Request, caches_of_row
+from llama.engine import Engine, Request
 
 
 def test_rows_at_different_positions_decode_as_each_would_alone(process_group, tmp_path):
@@ -18,8 +18,7 @@ def test_rows_at_different_positions_decode_as_each_would_alone(process_group, t
     short, long = (torch.randint(0, GQA_PARAMS["vocab_size"], (1, n), generator=generator) for n in (5, 11))
     expected = [model(seq, 0)[0, -1] for seq in (short, long)]  # each alone, in row 0
     for row, seq in enumerate((short, long)):  # each prompt but its last token, into its own row
-        with caches_of_row(model, row):
-            model(seq[:, :-1], 0)
+        model(seq[:, :-1], 0, first_row=row)
     logits = model.decode_step(torch.stack([short[:, -1], long[:, -1]]), torch.tensor([4, 10]))
     assert expected[0].abs().max() > 1
     for row in range(2):
@@ -31,8 +30,7 @@ def test_a_prompt_prefilled_into_one_row_leaves_the_other_alone(process_group, t
     model(torch.arange(1, 21)[None].repeat(2, 1), 0)
     cache = model.layers[0].attention.kv_cache
     row0 = cache.cache_k[0].clone()
-    with caches_of_row(model, 1):
-        model(torch.arange(30, 38)[None], 0)
+    model(torch.arange(30, 38)[None], 0, first_row=1)
     assert torch.equal(cache.cache_k[0], row0)
     assert not torch.equal(cache.cache_k[1, :8], row0[:8])
 

@@ -23,6 +23,7 @@ from llama.model import (
     apply_rotary_emb,
     precompute_freqs_cis,
 )
+from llama.runtime import RuntimeTransformer
 
 transformers = import_or_skip("transformers", 'pip install -e ".[test]"')
 
@@ -252,6 +253,7 @@ def test_logits_match_transformers(process_group, params):
     # The speed-up generation uses when it needs no logprobs: logits for the last position only, with the last
     # layer's feed-forward run on that position alone. Every position's keys and values are still cached: the
     # tokens after such a prompt get the same logits.
+    ours = RuntimeTransformer(ours)  # the same modules, as the runtime runs them
     ours.init_kv_caches()  # zeroed, so that nothing the passes above cached stands in for this one's
     last = ours(tokens[:, :10], 0, last_logits_only=True)
     assert last.shape == (2, 1, params["vocab_size"])

@@ -15,7 +15,6 @@ from llama import Llama
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
 from llama.convert import meta_to_hf, quantize_checkpoint
 from llama.demo import random_weights
-from llama.generation import use_inference_layers
 from llama.model import Transformer
 from llama.quantize import (
     Int4Linear,
@@ -24,10 +23,10 @@ from llama.quantize import (
     quantize_int4,
     quantize_int8,
     quantize_layer,
-    quantize_model,
     quantized_bytes,
     unpack_nibbles,
 )
+from llama.runtime import for_runtime, quantize_model
 
 
 def random_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -116,12 +115,12 @@ def test_quantize_model_on_a_model_built_the_reference_way(process_group, tmp_pa
     assert sum(isinstance(m, quantized_types) for m in reference.modules()) == 7 * args.n_layers + 1
     assert reference.tok_embeddings.weight.dtype == torch.bfloat16  # the embedding table is not quantized
 
-    loaded = use_inference_layers(load_model(reader, args, 0, 1, torch.device("cpu"), torch.bfloat16, quantize=scheme))
+    loaded = for_runtime(load_model(reader, args, 0, 1, torch.device("cpu"), torch.bfloat16, quantize=scheme))[0]
     tokens = torch.randint(0, args.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
     expected = reference(tokens, 0)
     torch.testing.assert_close(loaded(tokens, 0), expected, atol=0, rtol=0)
 
-    float_model = use_inference_layers(load_model(reader, args, 0, 1, torch.device("cpu"), torch.bfloat16))
+    float_model = for_runtime(load_model(reader, args, 0, 1, torch.device("cpu"), torch.bfloat16))[0]
     float_logits = float_model(tokens, 0)
     relative_error = ((expected - float_logits).norm() / float_logits.norm()).item()
     assert 0 < relative_error < {"int8": 0.05, "int4": 0.3}[scheme]

@@ -1,8 +1,8 @@
 """Checkpoint I/O, one concern a module: `params` (params.json and config.json as read), `shards` (how model
 parallelism splits the tensors, each rank's share), `meta` and `hf` (the two folder formats, read through one
-`CheckpointReader`), `load` (the load sequence of `Llama.build`), `report` (what a load tells the person waiting)
-and `write` (Meta checkpoints written). The names below are the ones the rest of the package, the tools and the
-tests use.
+`CheckpointReader`), `quantized` (the quantized checkpoint format), `load` (the load sequence of `Llama.build`),
+`report` (what a load tells the person waiting) and `write` (Meta checkpoints written). The names below are the
+ones the rest of the package, the tools and the tests use.
 """
 
 from llama.checkpoint.hf import (

@@ -24,20 +24,13 @@ from llama.checkpoint.params import (
     model_args_from,
     saved_quantization,
 )
+from llama.checkpoint.quantized import layer_from_saved, saved_shapes
 from llama.checkpoint.report import LoadReport, weights_bar
 from llama.checkpoint.shards import CheckpointReader, check_model_parallel_size, rank_weights
 from llama.cuda_graphs import decode_step_bytes
 from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
 from llama.model import ModelArgs, Transformer
-from llama.quantize import (
-    check_device,
-    check_scheme,
-    choose_int8_kernels,
-    layer_from_saved,
-    quantize_layer,
-    saved_shapes,
-    whole_shape,
-)
+from llama.quantize import check_device, check_scheme, quantize_layer, whole_shape
 from llama.tokenizer import Tokenizer, short_repr
 
 logger = logging.getLogger(__name__)
@@ -224,8 +217,6 @@ def load_checkpoint(
         )
     mp_rank = fs_init.get_model_parallel_rank()
     model = load_model(reader, model_args, mp_rank, model_parallel_size, device, dtype, quantize, bar_rank=rank)
-    if quantize is not None:
-        choose_int8_kernels(model)  # on a GPU, the faster int8 product for each shape (int4 may keep int8 layers)
     report = LoadReport(
         reader.format, device, dtype, quantize, bool(saved), model_parallel_size, time.time() - start_time
     )

@@ -14,7 +14,8 @@ bfloat16 checkpoint) the smallest weights round by less than 3e-8. Tests hold lo
 math in float32 and greedy tokens equal. Figures: `benchmarks/bench.py`, docs/speed.md.
 
 One concern a module: `kernels` (what each kernel runs and needs), `layers` (`CPULinear`, `FusedProduct`), `cache`
-(this CPU, and what measuring found on it) and `choice` (measuring, choosing, and `speed_up_for_cpu`).
+(this CPU, and what measuring found on it) and `choice` (measuring and choosing). `llama.runtime` applies them to a
+loaded model.
 """
 
 from llama.cpu.cache import (
@@ -33,12 +34,14 @@ from llama.cpu.choice import (
     PROMPT_SAMPLE_VALUES,
     PROMPT_TIMED_ROUNDS,
     TIMED_ROUNDS,
+    attention_kernel,
     calls_per_context,
     choose_kernels,
+    copies_fit,
+    cpu_kernels_apply,
     kernels_for,
     measure,
     row_counts,
-    speed_up_for_cpu,
     time_kernels,
     weight_sample,
 )
@@ -66,11 +69,13 @@ from llama.cpu.kernels import (
 from llama.cpu.layers import (
     CPULinear,
     FusedProduct,
-    fuse_products,
+    FusedQKV,
+    FusedW13,
+    fused_product,
     make_fp16_copies,
     product_name,
+    product_owners,
     products,
-    use_cpu_linear_layers,
 )
 
 __all__ = [
@@ -79,6 +84,8 @@ __all__ = [
     "FP16_BLOCK_VALUES",
     "FP16_MAX",
     "FusedProduct",
+    "FusedQKV",
+    "FusedW13",
     "INSTRUCTION_CAPS",
     "KERNELS",
     "KERNEL_VARIABLE",
@@ -89,16 +96,19 @@ __all__ = [
     "PROMPT_SAMPLE_VALUES",
     "PROMPT_TIMED_ROUNDS",
     "TIMED_ROUNDS",
+    "attention_kernel",
     "calls_per_context",
     "candidate_kernels",
     "choose_kernels",
+    "copies_fit",
+    "cpu_kernels_apply",
     "cpu_flags",
     "cpu_name",
     "cpuinfo_fields",
     "fbgemm_fp16_supported",
     "fp16_linear",
     "fp16_products",
-    "fuse_products",
+    "fused_product",
     "holds_bfloat16_values",
     "instruction_caps",
     "kernels_for",
@@ -111,13 +121,12 @@ __all__ = [
     "pack_as_fp16",
     "pinned_kernel",
     "product_name",
+    "product_owners",
     "products",
     "row_counts",
     "run_kernel",
-    "speed_up_for_cpu",
     "time_kernels",
     "unchanged",
-    "use_cpu_linear_layers",
     "weight_sample",
     "weight_copy",
     "with_versions",

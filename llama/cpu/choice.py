@@ -1,5 +1,5 @@
 """Which kernel runs each product, measured at load (`choose_kernels`; what measuring found is kept in a
-`KernelCache`); `speed_up_for_cpu` applies it all to a loaded model."""
+`KernelCache`), and what decides whether this CPU's kernels apply to a model at all."""
 
 import logging
 import statistics
@@ -25,15 +25,9 @@ from llama.cpu.kernels import (
     run_kernel,
     weight_copy,
 )
-from llama.cpu.layers import (
-    CPULinear,
-    fuse_products,
-    make_fp16_copies,
-    product_name,
-    products,
-    use_cpu_linear_layers,
-)
+from llama.cpu.layers import CPULinear, product_name, products
 from llama.distributed import available_memory
+from llama.timing import timed
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +54,14 @@ def time_kernels(
         for run in product.values():
             run()
     found = [{kernel: [] for kernel in product} for product in runs]
-    timed = [list(product) for product in runs]
+    still_timed = [list(product) for product in runs]
     for _ in range(rounds):
         if flush is not None:
             flush()
-        for product, times, kernels in zip(runs, found, timed):
+        for product, times, kernels in zip(runs, found, still_timed):
             for kernel in kernels:
-                start = time.perf_counter()
-                product[kernel]()
-                times[kernel].append(time.perf_counter() - start)
-        for times, kernels in zip(found, timed):
+                times[kernel].append(timed(product[kernel]))
+        for times, kernels in zip(found, still_timed):
             best = {kernel: min(seconds) for kernel, seconds in times.items()}
             kernels[:] = [kernel for kernel in kernels if best[kernel] <= 2 * min(best.values())]
     return found
@@ -103,7 +95,7 @@ def sample_copy(kernel: str, layers: List[CPULinear], max_values: int) -> Option
         return None if copy is None else [copy]
     if kernel == "onednn" and weights[0].dtype != torch.float32:
         # One product of the stacked weights where the layers share a copy, as they run; else one per layer.
-        groups = [weights] if layers[0].fused is not None else [[weight] for weight in weights]
+        groups = [weights] if len(layers) > 1 else [[weight] for weight in weights]
         return [weight_copy("onednn", *group) for group in groups]
     return weight_sample(layers, max_values, KERNELS.index(kernel)) or [weight.clone() for weight in weights]
 
@@ -209,10 +201,11 @@ def copy_saving(measured: Dict[int, Measured], wins: List[int], max_seq_len: int
     )
 
 
-def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
-    """Set each `CPULinear`'s kernels for `counts` rows: pinned by `LLAMA_CPU_KERNEL` (where that kernel can run
-    the product: else `F.linear`), or chosen by `kernels_for` from what measuring `candidate_kernels` found, from
-    the cache or measured here (all products at once: `measure`), once per product name; each choice is logged."""
+def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> Dict[CPULinear, Dict[int, str]]:
+    """Each `CPULinear`'s kernels for `counts` rows (row count -> kernel): pinned by `LLAMA_CPU_KERNEL` (where that
+    kernel can run the product: else `F.linear`), or chosen by `kernels_for` from what measuring
+    `candidate_kernels` found, from the cache or measured here (all products at once: `measure`), once per product
+    name; each choice is logged."""
     pinned = pinned_kernel()
     cache = KernelCache()
     start = time.perf_counter()
@@ -271,9 +264,6 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
                 model.params.max_seq_len,
                 saving,
             )
-    for layers in all_products:
-        for layer in layers:
-            layer.kernels = {rows: kernel for rows, (kernel, _) in sorted(chosen[product_name(layers)].items())}
     cache.save()
     logger.info(
         "CPU kernels chosen for %d products in %.2f s (%d row counts measured)",
@@ -281,29 +271,28 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> None:
         time.perf_counter() - start,
         len(jobs),
     )
+    return {
+        layer: {rows: kernel for rows, (kernel, _) in sorted(chosen[product_name(layers)].items())}
+        for layers in all_products
+        for layer in layers
+    }
 
 
-def speed_up_for_cpu(model: nn.Module) -> None:
-    """Put each linear layer of a loaded `Transformer` (model-parallel layers still fairscale's) on the kernel that
-    runs it fastest here (`choose_kernels`), where it runs on the CPU in float32 or bfloat16 and this torch build
-    has oneDNN.
-
-    Kernels that run on a second copy of the weights (float16 for fbgemm, oneDNN's blocked layout) are candidates
-    only when that copy, 2 bytes a weight, fits in half the memory the system has available now. Float16 copies
-    are made here (logged with how long it took), oneDNN's at a weight's first input of the rows they
-    were chosen for. In bfloat16 where oneDNN has no bfloat16 kernels (AVX2), one new position attends through
-    `one_position_attention`.
-    """
+def cpu_kernels_apply(model: nn.Module) -> bool:
+    """Whether `model`'s linear layers can run on the kernels measured here (`CPULinear`): on the CPU, in float32 or
+    bfloat16, with a torch build that has oneDNN."""
     weight = model.tok_embeddings.weight
-    if not onednn_supported(weight.device) or weight.dtype not in (torch.float32, torch.bfloat16):
-        return
-    use_cpu_linear_layers(model)
-    copy_bytes = sum(p.numel() * 2 for p in model.parameters())  # a bfloat16 or float16 copy of every weight
-    copies = 2 * copy_bytes <= available_memory()
-    if copies:
-        fuse_products(model)
-    choose_kernels(model, row_counts(model.params.max_batch_size), copies)
-    if weight.dtype == torch.bfloat16 and not onednn_bf16_supported():
-        for block in model.layers:
-            block.attention.one_position_attention = one_position_attention
-    make_fp16_copies(model)
+    return onednn_supported(weight.device) and weight.dtype in (torch.float32, torch.bfloat16)
+
+
+def copies_fit(model: nn.Module) -> bool:
+    """Whether kernels that run on a second copy of the weights (float16 for fbgemm, oneDNN's blocked layout; 2 bytes
+    a weight) may be candidates: when that copy fits in half the memory the system has available now."""
+    copy_bytes = sum(p.numel() * 2 for p in model.parameters())
+    return 2 * copy_bytes <= available_memory()
+
+
+def attention_kernel(dtype: torch.dtype) -> Optional[Callable]:
+    """A faster kernel than SDPA's for one new position's attention in `dtype`, where this CPU needs one: in bfloat16
+    where oneDNN has no bfloat16 kernels (AVX2), `one_position_attention`; else None."""
+    return one_position_attention if dtype == torch.bfloat16 and not onednn_bf16_supported() else None

@@ -1,15 +1,14 @@
 """The CPU's linear layers: `CPULinear` runs each row count on the kernel chosen for it, `FusedProduct` runs
-products of one input (wq, wk, wv; w1, w3) as one on a shared copy."""
+products of one input (`FusedQKV`: wq, wk, wv; `FusedW13`: w1, w3) as one on a shared copy."""
 
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from llama.cpu.kernels import (
     FP16_BLOCK_VALUES,
@@ -24,7 +23,7 @@ from llama.cpu.kernels import (
     with_versions,
 )
 from llama.distributed import global_rank
-from llama.parallel_layers import ParallelLinear, layers_of_kind
+from llama.parallel_layers import ParallelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +32,7 @@ class CPULinear(ParallelLinear):
     """A fairscale `ColumnParallelLinear` or `RowParallelLinear` whose matmul runs on the kernel chosen for it.
 
     `kernels` maps row counts to kernels (`KERNELS`): an input of n rows runs on the kernel of the smallest count
-    that is at least n, or of the largest count (a long prompt). `speed_up_for_cpu` chooses them by measuring.
+    that is at least n, or of the largest count (a long prompt). `choose_kernels` chooses them by measuring.
     The copies some kernels run on are made at their first use, and again whenever the weight has changed since
     (`packed_copy`): "fp16" runs on fbgemm's packed float16 copy (`pack_as_fp16`; where float16 cannot hold the
     weight, on `F.linear`), "onednn" in bfloat16 on a copy in oneDNN's blocked layout, the kernel `F.linear` runs
@@ -54,7 +53,6 @@ class CPULinear(ParallelLinear):
             raise ValueError("The 'fp16' kernel needs fbgemm's float16 kernels, which this torch build lacks")
         self.kernels = dict(sorted(kernels.items()))
         self.packed = {}  # kernel -> (the weight and its version when copied, the copy)
-        self.fused: Optional[FusedProduct] = None  # for kernels on a copy: one shared with layers of the same input
 
     def kernel_for(self, rows: int) -> str:
         return next(
@@ -64,14 +62,11 @@ class CPULinear(ParallelLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # torch.compile picks its own kernels
             return F.linear(x, self.weight)
-        kernel = self.kernel_for(x.numel() // max(1, x.shape[-1]))
-        on_a_copy = kernel == "fp16" or (kernel == "onednn" and self.weight.dtype != torch.float32)
-        if on_a_copy and self.fused is not None:
-            y = self.fused.output(self, x, kernel)
-            return F.linear(x, self.weight) if y is None else y
+        kernel = self.kernel_for(rows_of(x))
         if kernel == "fp16":
             packed = self.packed_copy("fp16")
             return F.linear(x, self.weight) if packed is None else fp16_linear(x, packed)
+        on_a_copy = kernel == "onednn" and self.weight.dtype != torch.float32
         return run_kernel(kernel, x, self.weight, self.packed_copy("onednn") if on_a_copy else None)
 
     def packed_copy(self, kernel: str):
@@ -87,21 +82,42 @@ class CPULinear(ParallelLinear):
         return {**super().__getstate__(), "packed": {}}
 
 
-class FusedProduct:
-    """One copy of the stacked weights of `CPULinear` layers that always take the same input (an attention's wq, wk
-    and wv; a feed-forward's w1 and w3), for their kernels that run on a copy: "fp16" (fbgemm's float16 copy) and,
-    in bfloat16, "onednn" (oneDNN's blocked layout). The first layer called with an input computes all their
-    products at once, and the others take their share when called with that same input object (each output column
-    is summed as in a product of its layer alone: the same bits, tested). Fewer, larger products: each call costs
-    some 20 to 40 us beyond reading its weight on 2 cores, and a larger weight is read nearer the memory's speed
-    (`benchmarks/on_off.py fused`). The layers keep their own weights and state-dict keys; a copy is made again at
-    its next use when any of them was replaced or edited in place.
+def rows_of(x: torch.Tensor) -> int:
+    """The rows of a product's input: every dimension but the last."""
+    return x.numel() // max(1, x.shape[-1])
+
+
+def runs_on_a_copy(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether `kernel` runs on a copy of the weights: fbgemm's float16 one, or oneDNN's blocked layout in bfloat16."""
+    return kernel == "fp16" or (kernel == "onednn" and dtype != torch.float32)
+
+
+class FusedProduct(nn.Module):
+    """`CPULinear` layers that always take the same input, run as one product on one copy of their stacked weights
+    where their kernel runs on a copy (`runs_on_a_copy`); each output column is summed as in a product of its layer
+    alone, so the outputs are the same bits (tested). Fewer, larger products: each call costs some tens of
+    microseconds beyond reading its weight, and a larger weight is read nearer the memory's speed
+    (`benchmarks/on_off.py fused`, docs/speed.md).
+
+    The layers stay where they are, with their weights and state-dict keys; this module holds no parameters of its
+    own. Its copy is made again at its next use when any of the weights was replaced or edited in place. Where the
+    layers' kernel runs on the weights as loaded, each layer runs alone.
     """
 
-    def __init__(self, layers: List["CPULinear"]):
-        self.layers = layers
+    def __init__(self, *layers: CPULinear):
+        super().__init__()
+        self.layers = layers  # a tuple, not submodules: the layers' parameters keep their own keys
         self.packed = {}  # kernel -> (each weight and its version when packed, the packed copy)
-        self.pending = None  # (an input, its kernel, the outputs for it that layers have not taken yet)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """Each layer's output for `x`, in the layers' order."""
+        kernel = self.layers[0].kernel_for(rows_of(x))
+        if torch.compiler.is_compiling() or not runs_on_a_copy(kernel, self.layers[0].weight.dtype):
+            return tuple(layer(x) for layer in self.layers)
+        packed = self.packed_copy(kernel)
+        if packed is None:  # float16 cannot hold the weights
+            return tuple(F.linear(x, layer.weight) for layer in self.layers)
+        return run_kernel(kernel, x, None, packed).split([layer.weight.shape[0] for layer in self.layers], -1)
 
     def packed_copy(self, kernel: str = "fp16"):
         """The stacked weights' copy for `kernel` (for "fp16", None where float16 cannot hold one of them), made
@@ -112,78 +128,68 @@ class FusedProduct:
             self.packed[kernel] = (with_versions(weights), weight_copy(kernel, *weights))
         return self.packed[kernel][1]
 
-    def output(self, layer: "CPULinear", x: torch.Tensor, kernel: str) -> Optional[torch.Tensor]:
-        """`layer`'s product with `x` on `kernel` (None where float16 cannot hold the weights)."""
-        pending = self.pending
-        if pending is None or pending[0] is not x or pending[1] != kernel or layer not in pending[2]:
-            packed = self.packed_copy(kernel)
-            if packed is None:
-                return None
-            outputs = run_kernel(kernel, x, None, packed).split([layer.weight.shape[0] for layer in self.layers], -1)
-            self.pending = pending = (x, kernel, dict(zip(self.layers, outputs)))
-        output = pending[2].pop(layer)
-        if not pending[2]:
-            self.pending = None  # every layer has its share: let go of the input
-        return output
+    def extra_repr(self) -> str:
+        return product_name(self.layers)
 
     def __getstate__(self):
-        return {**self.__dict__, "packed": {}, "pending": None}  # as CPULinear: a copy packs its own
+        return {**super().__getstate__(), "packed": {}}  # as CPULinear: a copy packs its own
 
 
-def fuse_products(model: nn.Module) -> None:
-    """Give each attention's wq, wk and wv, and each feed-forward's w1 and w3, one shared copy for their kernels
-    that run on a copy (`FusedProduct`). In bfloat16 where oneDNN has bfloat16 kernels, every such group: oneDNN
-    runs on a copy anyway. Elsewhere only for "fp16", where float16 holds their weights and their stack fits in one
-    packed block: a larger stack is packed in blocks of rows anyway, whose outputs would have to be joined (for
-    Llama 3.2 1B's w1 and w3, prompts ran about 4% slower)."""
-    for block in model.layers:
-        for group in (
-            [block.attention.wq, block.attention.wk, block.attention.wv],
-            [block.feed_forward.w1, block.feed_forward.w3],
-        ):
-            if not all(isinstance(layer, CPULinear) for layer in group):
-                continue
-            onednn = group[0].weight.dtype == torch.bfloat16 and onednn_bf16_supported()
-            fp16 = (
-                fbgemm_fp16_supported()
-                and sum(layer.weight.numel() for layer in group) <= FP16_BLOCK_VALUES
-                and all(holds_bfloat16_values(layer.weight) for layer in group)
-            )
-            if onednn or fp16:
-                fused = FusedProduct(group)
-                for layer in group:
-                    layer.fused = fused
+class FusedQKV(FusedProduct):
+    """An attention's wq, wk and wv as one product."""
 
 
-def products(model: nn.Module) -> List[List[CPULinear]]:
-    """The products a step runs: the layers of each fused group together, every other `CPULinear` alone."""
-    found = {}
-    for layer in model.modules():
-        if isinstance(layer, CPULinear):
-            layers = layer.fused.layers if layer.fused is not None else [layer]
-            found.setdefault(id(layers[0]), layers)
-    return list(found.values())
+class FusedW13(FusedProduct):
+    """A feed-forward's w1 and w3 (the SwiGLU's gate and up projections) as one product."""
 
 
-def product_name(layers: List[CPULinear]) -> str:
-    """What a product's kernel choice depends on: its dtype, its weights' shapes, and whether they are fused."""
+FUSED = {"qkv": FusedQKV, "w13": FusedW13}
+
+
+def fused_product(name: str, *layers: nn.Module) -> Optional[FusedProduct]:
+    """`layers` (that take one input: "qkv" or "w13") as one `FusedProduct` where their kernels can run on one
+    copy, else None. In bfloat16 where oneDNN has bfloat16 kernels, always: oneDNN runs on a copy anyway. Elsewhere
+    only for "fp16", where float16 holds their weights and their stack fits in one packed block: a larger stack is
+    packed in blocks of rows anyway, whose outputs would have to be joined (slower prompts, docs/speed.md)."""
+    if not all(isinstance(layer, CPULinear) for layer in layers):
+        return None
+    onednn = layers[0].weight.dtype == torch.bfloat16 and onednn_bf16_supported()
+    fp16 = (
+        fbgemm_fp16_supported()
+        and sum(layer.weight.numel() for layer in layers) <= FP16_BLOCK_VALUES
+        and all(holds_bfloat16_values(layer.weight) for layer in layers)
+    )
+    return FUSED[name](*layers) if onednn or fp16 else None
+
+
+def product_owners(model: nn.Module) -> List[nn.Module]:
+    """What runs each product of a step: each `FusedProduct`, and every `CPULinear` outside them."""
+    fused = [module for module in model.modules() if isinstance(module, FusedProduct)]
+    in_groups = {id(layer) for group in fused for layer in group.layers}
+    return fused + [m for m in model.modules() if isinstance(m, CPULinear) and id(m) not in in_groups]
+
+
+def products(model: nn.Module) -> List[Tuple[CPULinear, ...]]:
+    """The layers of each product a step runs: a fused group's together, every other `CPULinear` alone."""
+    return [owner.layers if isinstance(owner, FusedProduct) else (owner,) for owner in product_owners(model)]
+
+
+def product_name(layers: Sequence[CPULinear]) -> str:
+    """What a product's kernel choice depends on: its dtype, its weights' shapes, and whether they are fused (more
+    than one layer)."""
     weight = layers[0].weight
     outputs = "+".join(str(layer.weight.shape[0]) for layer in layers)
-    fused = " fused" if layers[0].fused is not None else ""
-    return f"{str(weight.dtype).removeprefix('torch.')} {outputs}x{weight.shape[1]}{fused}"
-
-
-def use_cpu_linear_layers(model: nn.Module, kernels: Optional[Dict[int, str]] = None) -> None:
-    """Replace every fairscale linear layer in `model` with a `CPULinear` on `kernels` (see there), in place."""
-    for parent, name, layer in layers_of_kind(model, (ColumnParallelLinear, RowParallelLinear)):
-        setattr(parent, name, CPULinear(layer, kernels))
+    return (
+        f"{str(weight.dtype).removeprefix('torch.')} {outputs}x{weight.shape[1]}{' fused' if len(layers) > 1 else ''}"
+    )
 
 
 def make_fp16_copies(model: nn.Module) -> None:
-    """Make the float16 copies of `model`'s `CPULinear` layers that run on them now rather than at each one's first
-    use, on as many Python threads as torch uses: fbgemm packs a weight on one core."""
-    layers = [m for m in model.modules() if isinstance(m, CPULinear) and "fp16" in m.kernels.values()]
-    copies = {layer.fused or layer for layer in layers}  # a fused group's copy once
+    """Make the float16 copies of `model`'s products that run on them now rather than at their first use, on as
+    many Python threads as torch uses: fbgemm packs a weight on one core."""
+    copies = [
+        owner for owner, layers in zip(product_owners(model), products(model)) if "fp16" in layers[0].kernels.values()
+    ]
     start = time.perf_counter()
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
         made = sum(packed is not None for packed in pool.map(lambda owner: owner.packed_copy("fp16"), copies))

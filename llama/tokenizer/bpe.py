@@ -3,17 +3,18 @@ time), run by tiktoken, and the special tokens of each Llama version."""
 
 import binascii
 import functools
-import numbers
 import os
 import re
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from logging import getLogger
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
 import blobfile
 import tiktoken
+
+from llama.checks import short_repr, token_id_list
 
 logger = getLogger(__name__)
 
@@ -162,39 +163,6 @@ def _ranks_line_by_line(data: bytes, path: str) -> dict[bytes, int]:
         ranks[token] = rank
         line_of_token[token] = line_of_rank[rank] = number
     return ranks
-
-
-def token_id_list(ids: Sequence[int], vocab_size: int, where: str = "") -> list[int]:
-    """`ids` as a list of Python ints, each a token ID of a vocabulary of `vocab_size`: an int or a numpy integer
-    (any `numbers.Integral`), not a bool, in [0, `vocab_size`).
-
-    Raises:
-        ValueError: If `ids` is not a sequence, or for its first entry that is not a token ID; the message starts
-            with `where` (e.g. "Prompt 2: ") and names the entry and its position.
-    """
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise ValueError(f"{where}token IDs must be a sequence of ints, got {short_repr(ids)}")
-    ids = list(ids)
-    if set(map(type, ids)) <= {int} and (not ids or (min(ids) >= 0 and max(ids) < vocab_size)):
-        return ids  # the usual case, checked at C speed
-    for position, x in enumerate(ids):
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-            raise ValueError(f"{where}token ID {short_repr(x)} at position {position} is not an int")
-        if not 0 <= x < vocab_size:
-            raise ValueError(
-                f"{where}token ID {short_repr(x)} at position {position} is outside the vocabulary [0, {vocab_size})"
-            )
-    return [int(x) for x in ids]
-
-
-def short_repr(value: Any, limit: int = 200) -> str:
-    """`repr(value)` for an error message, cut after `limit` characters; where repr fails (an int too long to
-    write, a list nested too deeply), what it is instead."""
-    try:
-        text = repr(value)
-    except Exception:
-        return f"<an int of {value.bit_length()} bits>" if isinstance(value, int) else f"a {type(value).__name__}"
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class Tokenizer:

@@ -1,0 +1,127 @@
+"""Attention as it runs here: the reference's `Attention` with the ways in that speed needs.
+
+`RuntimeAttention` holds the reference layer's projections, cache and head counts, and adds:
+- a fused product of wq, wk and wv where the CPU runs them as one (`qkv`, a `llama.cpu.FusedQKV`);
+- the fixed-shape decode step's cache write: a position given as a tensor, attention over the whole cache with the
+  positions not yet written masked out (`write_at_positions`), so that one compiled graph serves every step;
+- per-row positions and rows of the cache, for the engine's requests (`write_rows`);
+- a kernel of its own for one new position's attention where the CPU has a faster one (`one_position_attention`).
+"""
+
+from typing import Callable, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llama.model import Attention, KVCache, apply_rotary_emb
+
+# (xq, keys, values) -> output, in the layout of F.scaled_dot_product_attention's arguments and result.
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def follow_activations(cache: KVCache, xk: torch.Tensor) -> None:
+    """Move the cache to the activations' device and dtype where it is elsewhere, as `KVCache.update` does."""
+    if (cache.cache_k.device, cache.cache_k.dtype) != (xk.device, xk.dtype):
+        cache.cache_k, cache.cache_v = cache.cache_k.to(xk), cache.cache_v.to(xk)
+
+
+def write_rows(
+    cache: KVCache, start_pos: int, first_row: int, xk: torch.Tensor, xv: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`KVCache.update` for a batch held in the cache's rows from `first_row` on (the engine runs each request in a
+    row of its own): positions [start_pos, start_pos + seqlen) written, the cache up to them returned."""
+    bsz, seqlen = xk.shape[:2]
+    follow_activations(cache, xk)
+    rows, end = slice(first_row, first_row + bsz), start_pos + seqlen
+    cache.cache_k[rows, start_pos:end] = xk
+    cache.cache_v[rows, start_pos:end] = xv
+    return cache.cache_k[rows, :end], cache.cache_v[rows, :end]
+
+
+def write_at_positions(
+    cache: KVCache, positions: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One new position per row, given as a tensor: one position for every row, or one for each row (rows that
+    started at different times). Returns the whole cache of the batch's rows, unwritten positions and all: the
+    shapes never change, and the caller's mask hides what lies past each row's position."""
+    bsz = xk.shape[0]
+    follow_activations(cache, xk)
+    if len(positions) == 1:
+        cache.cache_k[:bsz].index_copy_(1, positions, xk)
+        cache.cache_v[:bsz].index_copy_(1, positions, xv)
+    else:
+        rows = torch.arange(bsz, device=xk.device)
+        cache.cache_k[rows, positions] = xk[:, 0]
+        cache.cache_v[rows, positions] = xv[:, 0]
+    return cache.cache_k[:bsz], cache.cache_v[:bsz]
+
+
+def rotate(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary_emb`, where `freqs_cis` may also hold one position for each row of a one-token batch (bsz > 1
+    rows of `freqs_cis` for xq of (bsz, 1, heads, head_dim)): the rows are then rotated as positions of one row."""
+    if freqs_cis.shape[0] == xq.shape[1]:
+        return apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
+    xq, xk = apply_rotary_emb(xq.transpose(0, 1), xk.transpose(0, 1), freqs_cis=freqs_cis)
+    return xq.transpose(0, 1), xk.transpose(0, 1)
+
+
+class RuntimeAttention(nn.Module):
+    """`Attention` of the same weights, cache and math, for every way the runtime calls it (see the module)."""
+
+    def __init__(
+        self,
+        attention: Attention,
+        qkv: Optional[nn.Module] = None,
+        one_position_attention: Optional[AttentionKernel] = None,
+    ):
+        super().__init__()
+        self.n_local_heads, self.n_local_kv_heads = attention.n_local_heads, attention.n_local_kv_heads
+        self.n_rep, self.head_dim = attention.n_rep, attention.head_dim
+        self.wq, self.wk, self.wv, self.wo = attention.wq, attention.wk, attention.wv, attention.wo
+        self.qkv = qkv
+        self.kv_cache = attention.kv_cache
+        self.one_position_attention = one_position_attention
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        start_pos: Union[int, torch.Tensor],
+        freqs_cis: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        first_row: int = 0,
+    ) -> torch.Tensor:
+        """`Attention.forward`, where `start_pos` may also be a tensor of positions (`write_at_positions`) and the
+        batch may sit in the cache's rows from `first_row` on (`write_rows`)."""
+        bsz, seqlen, _ = x.shape
+        xq, xk, xv = self.qkv(x) if self.qkv is not None else (self.wq(x), self.wk(x), self.wv(x))
+        xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
+        xk = xk.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        xv = xv.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+        xq, xk = rotate(xq, xk, freqs_cis)
+        if isinstance(start_pos, torch.Tensor):
+            keys, values = write_at_positions(self.kv_cache, start_pos, xk, xv)
+        else:
+            keys, values = write_rows(self.kv_cache, start_pos, first_row, xk, xv)
+        output = self.attend(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask)
+        return self.wo(output.transpose(1, 2).contiguous().view(bsz, seqlen, -1))
+
+    def attend(
+        self, xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """softmax(xq keys^T / sqrt(head_dim) + mask) values; `xq` (bsz, n_local_heads, seqlen, head_dim), `keys` and
+        `values` (bsz, n_local_kv_heads, positions attended, head_dim); `mask` as `Attention.forward` takes it, or
+        boolean (which positions may be attended to: the fixed-shape step's)."""
+        bsz, _, seqlen, _ = xq.shape
+        if seqlen == 1 and mask is None and self.one_position_attention is not None:
+            return self.one_position_attention(xq, keys, values)
+        if seqlen == 1 and mask is not None and self.n_rep > 1:
+            # One new position over the whole cache, masked: masked kernels cannot share kv heads (enable_gqa copies
+            # them n_rep times), so each kv head's n_rep query heads attend as n_rep rows of one head: the same
+            # scores, nothing copied. CUDA's kernels return those rows transposed in memory, hence reshape.
+            grouped = xq.reshape(bsz, self.n_local_kv_heads, self.n_rep, self.head_dim)
+            output = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+            return output.reshape(bsz, self.n_local_heads, 1, self.head_dim)
+        return F.scaled_dot_product_attention(
+            xq, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1, enable_gqa=self.n_rep > 1
+        )

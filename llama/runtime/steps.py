@@ -1,0 +1,216 @@
+"""The one place where a loaded reference `Transformer` becomes the model that runs here (`for_runtime`), in named
+steps, in order. Nothing else in the package replaces a model's layers or sets attributes on them.
+"""
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from torch import nn
+
+from llama.cpu import (
+    CPULinear,
+    attention_kernel,
+    choose_kernels,
+    copies_fit,
+    cpu_kernels_apply,
+    fused_product,
+    make_fp16_copies,
+    row_counts,
+)
+from llama.cuda_graphs import CUDAGraphDecodeStep
+from llama.model import Transformer
+from llama.parallel_layers import InferenceLayer, ParallelEmbedding, ParallelLinear
+from llama.progress import AnnouncedCompiles
+from llama.quantize import Int8Linear, check_device, check_group_size, check_scheme, is_quantized, quantize_layer
+from llama.runtime.transformer import DecodeStep, RuntimeTransformer
+from llama.timing import median_seconds
+
+LINEAR = (ColumnParallelLinear, RowParallelLinear)
+
+
+def for_runtime(
+    model: Transformer, *, compile: bool = False, cuda_graphs: bool = False, model_parallel_size: int = 1
+) -> Tuple[RuntimeTransformer, Optional[DecodeStep]]:
+    """The runtime form of a loaded `Transformer` (quantized as it loaded, or not) and the decode step to run it
+    with (None: eagerly, `RuntimeTransformer.decode_step` or `forward`). The same weights and math throughout; each
+    step keeps the logits of the reference's algorithm, up to the order of float32 sums (tested).
+
+    1. `use_cpu_kernels`: on the CPU, each fairscale linear layer becomes a `CPULinear`, whose kernel per row count
+       is chosen in step 4.
+    2. `use_parallel_layers`: every other fairscale layer becomes `ParallelLinear` or `ParallelEmbedding`: the
+       collectives called directly and skipped in one process, traceable by torch.compile.
+    3. `RuntimeTransformer`: the runtime modules (`llama.runtime.transformer`): fused products where the CPU runs
+       them as one (`FusedQKV`, `FusedW13`), the fixed-shape decode step, per-row positions and cache rows for the
+       engine, and a faster kernel for one new position's attention where the CPU has one.
+    4. `choose_cpu_kernels`: each product's kernels measured (or read from the cache), and the float16 copies made.
+    5. `choose_int8_kernels`: on a GPU, the faster of two int8 products for each shape, timed.
+    6. The decode step: compiled with torch.compile if asked (`compiled_decode_step`), else on one CUDA GPU
+       replayed as CUDA graphs where `cuda_graphs` (`use_cuda_graphs`, `CUDAGraphDecodeStep`).
+    """
+    on_cpu_kernels = use_cpu_kernels(model)
+    use_parallel_layers(model)
+    copies = on_cpu_kernels and copies_fit(model)
+    runtime = RuntimeTransformer(
+        model,
+        fuse=fused_product if copies else lambda name, *layers: None,
+        one_position_attention=attention_kernel(model.tok_embeddings.weight.dtype) if on_cpu_kernels else None,
+    )
+    if on_cpu_kernels:
+        choose_cpu_kernels(runtime, copies)
+    choose_int8_kernels(runtime)
+    if compile:
+        return runtime, AnnouncedCompiles(compiled_decode_step(runtime))
+    if use_cuda_graphs(runtime.tok_embeddings.weight.device, model_parallel_size, cuda_graphs):
+        return runtime, CUDAGraphDecodeStep(runtime)
+    return runtime, None
+
+
+def use_cuda_graphs(device: torch.device, model_parallel_size: int, requested: bool) -> bool:
+    """Whether step 6 decodes through `CUDAGraphDecodeStep`: when asked (`Llama.build`'s default) on a CUDA device in
+    one process. Under model parallelism the step holds NCCL all-reduces, which are left to eager launches."""
+    return requested and device.type == "cuda" and model_parallel_size == 1
+
+
+def replace_layers(model: nn.Module, kind, replacement) -> None:
+    """Replace every submodule of `model` of type `kind` with `replacement(submodule)`, in place. The fairscale
+    layer an `InferenceLayer` holds (for its settings) is not run, and is left as it is."""
+    for module in list(model.modules()):
+        if isinstance(module, InferenceLayer):
+            continue
+        for name, child in list(module.named_children()):
+            if isinstance(child, kind):
+                setattr(module, name, replacement(child))
+
+
+def use_cpu_kernels(model: nn.Module) -> bool:
+    """Step 1: every fairscale linear layer of `model` becomes a `CPULinear` (on `F.linear` until step 4 chooses),
+    where `cpu_kernels_apply`; returns whether it did."""
+    if not cpu_kernels_apply(model):
+        return False
+    replace_layers(model, LINEAR, CPULinear)
+    return True
+
+
+def use_parallel_layers(model: nn.Module) -> None:
+    """Step 2: fairscale's linear layers and embedding become `ParallelLinear` and `ParallelEmbedding` (the same
+    weights, keys and math); layers replaced already (`CPULinear`, quantized ones) stay as they are."""
+    replace_layers(model, LINEAR, ParallelLinear)
+    replace_layers(model, VocabParallelEmbedding, ParallelEmbedding)
+
+
+def unpack_layers(model: nn.Module) -> None:
+    """Undo steps 1 and 2, in place: fairscale's layers, as in Meta's code."""
+    replace_layers(model, InferenceLayer, InferenceLayer.unpack)
+
+
+def choose_cpu_kernels(model: nn.Module, copies: bool) -> None:
+    """Step 4: each product's kernel for each row count that matters (`llama.cpu.choose_kernels`; kernels on a copy
+    of the weights only where `copies`), then the float16 copies chosen kernels run on."""
+    for layer, kernels in choose_kernels(model, row_counts(model.params.max_batch_size), copies).items():
+        layer.kernels = kernels
+    make_fp16_copies(model)
+
+
+# Row counts at which `choose_int8_kernels` times the two int8 products: a decode step's, a batch's, a prompt's.
+TIMED_ROWS = (1, 8, 256)
+
+
+def choose_int8_kernels(model: nn.Module, repeats: int = 20) -> dict:
+    """Step 5: on a GPU, time each int8 weight shape's product both ways (PyTorch's int8 kernel, and the weight
+    widened inside `F.linear`) at each of `TIMED_ROWS`, and run eager products of up to the most rows at which the
+    int8 kernel was faster (and at every smaller count timed) on it; returns that row count per (out, in) shape.
+
+    The two give the same products up to the order of float32 sums. Their speed depends on the GPU and on the
+    PyTorch build, so it is measured rather than assumed. Compiled steps always widen: torch.compile fuses it.
+    """
+    choices = {}
+    for layer in model.modules():
+        if not isinstance(layer, Int8Linear) or layer.weight.device.type == "cpu":
+            continue
+        shape = tuple(layer.weight.shape)
+        if shape not in choices:
+            choices[shape] = 0
+            for rows in TIMED_ROWS:
+                x = torch.randn(rows, shape[1], device=layer.weight.device, dtype=layer.scales.dtype)
+                products = {"int8": layer.int8_product, "widened": layer.widened_product}
+                if fastest(products, x, repeats) != "int8":
+                    break
+                choices[shape] = rows
+        layer.int8_kernel_rows = choices[shape]
+    return choices
+
+
+def fastest(products: dict, x: torch.Tensor, repeats: int) -> str:
+    """The name of the product that runs `x` fastest (`median_seconds`); one that raises (no such kernel on this
+    device or build) is out of the running."""
+    times = {}
+    for name, product in products.items():
+        try:
+            times[name] = median_seconds(lambda product=product: product(x), repeats, x.device)
+        except (RuntimeError, NotImplementedError):
+            continue
+    return min(times, key=times.get)
+
+
+def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = None) -> nn.Module:
+    """Quantize every linear layer of a `Transformer` and its output head, in place; return the model.
+
+    Works on a model built as Meta's code builds it (fairscale's layers, weights loaded) and on one whose layers
+    the runtime replaced. With several model-parallel processes, call it in all of them: each quantizes its own
+    slice. On a GPU, the int8 layers' products are then timed (`choose_int8_kernels`). (`Llama.build(quantize=...)`
+    quantizes each layer as it loads instead, so that the whole model is never held unquantized.)
+
+    Args:
+        model: The Transformer, with its weights.
+        scheme: "int8" (one scale per output channel) or "int4" (groups along the input).
+        group_size: int4's group size, one of 256, 128, 64 or 32 (default). A layer whose input width it does not
+            divide takes the largest smaller size that does; a layer that int4 cannot hold (an input width that is
+            not a multiple of 32, or outputs not a multiple of 16) is quantized to int8 instead.
+
+    Raises:
+        ValueError: for an unknown scheme or group size, or a device PyTorch has no kernel for.
+    """
+    check_scheme(scheme)
+    if scheme == "int4":
+        check_group_size(group_size)
+    weight = model.tok_embeddings.weight
+    check_device(weight.device, scheme, weight.dtype)
+    replace_layers(
+        model,
+        (*LINEAR, ParallelLinear),
+        lambda layer: layer if is_quantized(layer) else quantize_layer(layer, scheme, group_size),
+    )
+    choose_int8_kernels(model)
+    return model
+
+
+def compiled_decode_step(model: RuntimeTransformer) -> DecodeStep:
+    """`model.decode_step` compiled by torch.compile, replayed as a CUDA graph on CUDA.
+
+    fairscale's layers left in `model` are replaced with `llama.parallel_layers`' (the same weights and math) first:
+    with theirs, the step would not compile to one graph.
+    """
+    use_parallel_layers(model)
+    on_cuda = model.tok_embeddings.weight.is_cuda
+    options = {
+        "triton.cudagraphs": on_cuda,  # what mode="reduce-overhead" turns on
+        "emulate_precision_casts": True,  # round bf16/fp16 intermediates where the eager path does
+        # One row times a weight is a reduction that reads the weight once; searching its block sizes (seconds
+        # more to compile) brings it to the memory's speed, and lets an int8 weight be widened inside the product.
+        "coordinate_descent_tuning": on_cuda,
+    }
+    # Compiled without the inference mode that decode_step enters, which torch.compile cannot trace in a graph
+    # of inference tensors with views (pytorch/pytorch#180823), and run inside it.
+    step = torch.compile(
+        functools.partial(RuntimeTransformer.decode_step.__wrapped__, model), dynamic=False, options=options
+    )
+
+    def decode_step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            # A column of the batch's token table has its row stride, which changes with the table's length and
+            # would compile the step again for each (contiguous() keeps it for one row); a copy's strides do not.
+            return step(tokens.clone(memory_format=torch.contiguous_format), position)
+
+    return decode_step

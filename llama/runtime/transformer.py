@@ -1,0 +1,126 @@
+"""The Transformer as it runs here: `RuntimeTransformer` holds a loaded reference `Transformer`'s modules (the same
+weights under the same state-dict keys) and adds what decoding needs beyond `Transformer.forward`:
+- `forward(..., last_logits_only=True)`: the last layer's feed-forward and the output head skip every position but
+  the last, since sampling needs only the next token's distribution;
+- `forward(..., first_row=r)`: a batch held in the cache's rows from r on (the engine runs a request in its row);
+- `decode_step`: one new token per row in shapes that never change, for torch.compile and CUDA graphs.
+"""
+
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llama.model import FeedForward, Transformer, TransformerBlock, causal_mask
+from llama.runtime.attention import AttentionKernel, RuntimeAttention
+
+# A one-token step: (tokens (bsz, 1), position as a one-element tensor, or one per row) -> logits (bsz, 1, vocab_size).
+DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Given a reference block's linear layers that take one input, the module that runs them as one product (or None).
+FuseProducts = Callable[..., Optional[nn.Module]]
+
+
+class FusedFeedForward(nn.Module):
+    """`FeedForward` with w1 and w3 run as one product (`w13`, a `llama.cpu.FusedW13`)."""
+
+    def __init__(self, feed_forward: FeedForward, w13: nn.Module):
+        super().__init__()
+        self.w1, self.w2, self.w3 = feed_forward.w1, feed_forward.w2, feed_forward.w3
+        self.w13 = w13
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x)
+        return self.w2(F.silu(gate) * up)
+
+
+class RuntimeBlock(nn.Module):
+    """`TransformerBlock` over `RuntimeAttention`, whose positions may be a tensor and whose batch may sit in rows
+    of the cache from `first_row` on."""
+
+    def __init__(self, block: TransformerBlock, fuse: FuseProducts, one_position_attention: Optional[AttentionKernel]):
+        super().__init__()
+        self.layer_id = block.layer_id
+        attention, feed_forward = block.attention, block.feed_forward
+        self.attention = RuntimeAttention(
+            attention, fuse("qkv", attention.wq, attention.wk, attention.wv), one_position_attention
+        )
+        w13 = fuse("w13", feed_forward.w1, feed_forward.w3)
+        self.feed_forward = feed_forward if w13 is None else FusedFeedForward(feed_forward, w13)
+        self.attention_norm, self.ffn_norm = block.attention_norm, block.ffn_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        start_pos: Union[int, torch.Tensor],
+        freqs_cis: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        last_position_only: bool = False,
+        first_row: int = 0,
+    ) -> torch.Tensor:
+        attended = self.attention(self.attention_norm(x), start_pos, freqs_cis, mask, first_row)
+        if last_position_only:  # every position's keys and values are cached now; only the last output is wanted
+            x, attended = x[:, -1:], attended[:, -1:]
+        h = x + attended
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class RuntimeTransformer(nn.Module):
+    """A loaded `Transformer`'s modules, run as decoding needs them (see the module). `llama.runtime.for_runtime`
+    builds it; `fuse` gives the fused products of each block, `one_position_attention` a faster kernel for one new
+    position's attention, where the device has them."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        fuse: FuseProducts = lambda name, *layers: None,
+        one_position_attention: Optional[AttentionKernel] = None,
+    ):
+        super().__init__()
+        self.params, self.vocab_size, self.n_layers = model.params, model.vocab_size, model.n_layers
+        self.tok_embeddings = model.tok_embeddings
+        self.layers = nn.ModuleList(RuntimeBlock(block, fuse, one_position_attention) for block in model.layers)
+        self.norm = model.norm
+        self.output = model.output
+        self.freqs_cis = model.freqs_cis
+
+    # The RoPE table and the caches are made as the reference makes them.
+    rope_table = Transformer.rope_table
+    init_kv_caches = Transformer.init_kv_caches
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: torch.Tensor, start_pos: int, last_logits_only: bool = False, first_row: int = 0
+    ) -> torch.Tensor:
+        """`Transformer.forward`; with `last_logits_only`, the logits of the last position only; the batch in the
+        cache's rows [first_row, first_row + bsz)."""
+        seqlen = tokens.shape[1]
+        h = self.tok_embeddings(tokens)
+        if self.freqs_cis is None or self.freqs_cis.device != h.device:
+            self.freqs_cis = self.rope_table(h.device)
+        freqs_cis = self.freqs_cis[start_pos : start_pos + seqlen]
+        mask = causal_mask(seqlen, start_pos, h)
+        for layer in self.layers:
+            last_only = last_logits_only and layer is self.layers[-1]
+            h = layer(h, start_pos, freqs_cis, mask, last_only, first_row)
+        return self.output(self.norm(h)).float()
+
+    @torch.inference_mode()
+    def decode_step(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """`forward(tokens, start_pos)` for one new token per row, in shapes that stay the same at every step.
+
+        `position` is start_pos as a one-element tensor, and attention runs over the whole cache with the
+        positions after it masked out, so that one compiled step (torch.compile, CUDA graphs) serves them all.
+        With bsz positions instead, each row is at its own (a batch whose requests started at different times,
+        `llama.engine`). The RoPE table must exist: `init_kv_caches` or a first `forward` made it.
+        """
+        h = self.tok_embeddings(tokens)  # (bsz, 1, dim)
+        cache_positions = torch.arange(self.params.max_seq_len, device=tokens.device)
+        mask = cache_positions[None, :] <= position[:, None]  # (1 or bsz, max_seq_len): the positions written so far
+        freqs_cis = self.freqs_cis[position]  # (1 or bsz, head_dim // 2)
+        if len(position) > 1:
+            mask = mask[:, None, None, :]  # (bsz, 1, 1, max_seq_len): each row's own, for every head
+        for layer in self.layers:
+            h = layer(h, position, freqs_cis, mask)
+        return self.output(self.norm(h)).float()
