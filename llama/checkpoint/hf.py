@@ -19,8 +19,8 @@ from llama.checkpoint.params import (
     read_json,
 )
 from llama.checkpoint.shards import CheckpointReader
+from llama.checks import short_repr
 from llama.model import FeedForward
-from llama.tokenizer import short_repr
 
 # Hugging Face's rope_scaling fields for the Llama 3.1 rule, fixed by model.apply_scaling (only "factor" varies).
 LLAMA3_ROPE_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

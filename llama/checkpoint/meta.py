@@ -7,7 +7,7 @@ import torch
 
 from llama.checkpoint.params import META_PARAMS, PARAMS_FIELDS, PARAMS_REQUIRED, check_fields, read_json
 from llama.checkpoint.shards import IGNORED_KEYS, CheckpointReader, split_dim
-from llama.tokenizer import short_repr
+from llama.checks import short_repr
 
 
 class MetaCheckpoint(CheckpointReader):

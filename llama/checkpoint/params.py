@@ -11,9 +11,9 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import blobfile
 
+from llama.checks import short_repr
 from llama.model import ModelArgs
 from llama.quantize import INT4_GROUP_SIZES, SCHEMES
-from llama.tokenizer import short_repr
 
 HF_CONFIG = "config.json"
 META_PARAMS = "params.json"

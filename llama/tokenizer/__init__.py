@@ -2,7 +2,7 @@
 tiktoken, the special tokens), `messages` (the shapes of messages and tool calls), `chat_format` (`ChatFormat`:
 dialogs written as tokens, answers read back) and `tool_calls` (tool calls as text, written and parsed)."""
 
-from llama.tokenizer.bpe import SUPPORTED_VERSIONS, Tokenizer, load_bpe_ranks, short_repr, token_id_list
+from llama.tokenizer.bpe import SUPPORTED_VERSIONS, Tokenizer, load_bpe_ranks
 from llama.tokenizer.chat_format import ChatFormat, stop_reason
 from llama.tokenizer.messages import (
     ROLES,
@@ -40,7 +40,5 @@ __all__ = [
     "encode_tool_call",
     "load_bpe_ranks",
     "parse_tool_calls",
-    "short_repr",
     "stop_reason",
-    "token_id_list",
 ]
