@@ -67,8 +67,8 @@ def test_a_double_slash_sends_a_message_that_starts_with_a_slash(tiny_llama, tmp
 
 def test_system_sets_the_system_prompt_and_keeps_the_history(tiny_llama, tmp_path):
     saved = tmp_path / "dialog.json"
-    out = chat(tiny_llama, "Hello", "/system Answer in French.", "Again", f"/save {saved}", "/system", "/reset",
-               f"/save {tmp_path / 'empty.json'}")  # fmt: skip
+    lines = ["Hello", "/system Answer in French.", "Again", f"/save {saved}", "/system", "/reset"]
+    out = chat(tiny_llama, *lines, f"/save {tmp_path / 'empty.json'}")
     assert "[system prompt set]" in out and "[system prompt removed]" in out
     dialog = json.loads(saved.read_text())
     assert dialog[0] == {"role": "system", "content": "Answer in French."}

@@ -50,8 +50,8 @@ def test_multi_byte_characters_are_sent_whole(tokenizer):
 
 
 CALL = '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}'
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": CITY}}
 
 
 def answer_of(tokenizer, text: str, stream: bool):

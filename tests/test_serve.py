@@ -50,8 +50,8 @@ def reference(checkpoint, process_group):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, reference, tmp_path_factory):
-    flags = ["--max_batch_size", str(ROWS), "--max_seq_len", str(MAX_SEQ_LEN), "--max_queue", str(QUEUE),
-             "--prefill_chunk", str(PREFILL_CHUNK), "--api_key", KEY, "--model_name", MODEL]  # fmt: skip
+    flags = ["--max_batch_size", str(ROWS), "--max_seq_len", str(MAX_SEQ_LEN), "--max_queue", str(QUEUE)]
+    flags += ["--prefill_chunk", str(PREFILL_CHUNK), "--api_key", KEY, "--model_name", MODEL]
     running = Server(checkpoint, tmp_path_factory.mktemp("log") / "server.log", *flags)
     yield running
     running.stop()
@@ -79,8 +79,13 @@ def chat_prompt(reference, messages):
     return reference.formatter.encode_dialog_prompt(messages)
 
 
-QUESTIONS = ["Hello!", "What is the capital of France? Answer in one word, then explain at length.", "2+2=?",
-             "Write a poem about the sea " * 6, "Why?"]  # fmt: skip
+QUESTIONS = [
+    "Hello!",
+    "What is the capital of France? Answer in one word, then explain at length.",
+    "2+2=?",
+    "Write a poem about the sea " * 6,
+    "Why?",
+]
 
 
 def test_models_and_health_report_the_model_and_free_rows(server, client):
@@ -121,8 +126,9 @@ def test_seeded_sampling_draws_what_a_seeded_build_draws(client, reference):
 def test_completion_logprobs_and_echo(client, reference):
     prompt = reference.tokenizer.encode(QUESTIONS[0], bos=True, eos=False)
     tokens, logprobs = reference.generate([prompt], 8, temperature=0, logprobs=True)
-    answer = client.completions.create(model=MODEL, prompt=QUESTIONS[0], max_tokens=8, temperature=0, logprobs=2,
-                                       echo=True)  # fmt: skip
+    answer = client.completions.create(
+        model=MODEL, prompt=QUESTIONS[0], max_tokens=8, temperature=0, logprobs=2, echo=True
+    )
     choice = answer.choices[0]
     assert choice.text == QUESTIONS[0] + reference.tokenizer.decode(tokens[0])
     assert choice.logprobs.tokens == [reference.tokenizer.decode([t]) for t in tokens[0]]
@@ -134,10 +140,15 @@ def test_completion_logprobs_and_echo(client, reference):
 def test_streamed_chat_logprobs_are_generate_s(client, reference):
     messages = [{"role": "user", "content": QUESTIONS[2]}]
     tokens, logprobs = reference.generate([chat_prompt(reference, messages)], 10, temperature=0, logprobs=True)
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
-                                            stream=True, logprobs=True, top_logprobs=3)  # fmt: skip
-    entries = [entry for chunk in stream if chunk.choices and chunk.choices[0].logprobs
-               for entry in chunk.choices[0].logprobs.content]  # fmt: skip
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True, logprobs=True, top_logprobs=3
+    )
+    entries = [
+        entry
+        for chunk in stream
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
     assert [entry.token for entry in entries] == [reference.tokenizer.decode([t]) for t in tokens[0]]
     assert [entry.logprob for entry in entries] == pytest.approx(logprobs[0], abs=1e-4)
     assert all(len(entry.top_logprobs) == 3 for entry in entries)
@@ -169,8 +180,9 @@ def test_requests_that_join_a_running_batch_get_their_solo_tokens(server, client
             answers[i] = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n, temperature=0)
             answers[i] = answers[i].choices[0].message.content
         else:
-            stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n, temperature=0,
-                                                    stream=True)  # fmt: skip
+            stream = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=n, temperature=0, stream=True
+            )
             answers[i] = "".join(c.choices[0].delta.content or "" for c in stream)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(jobs))]
@@ -184,9 +196,18 @@ def test_requests_that_join_a_running_batch_get_their_solo_tokens(server, client
 
 
 def tools_request():
-    weather = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-               "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "Its name"}},
-                              "required": ["city"]}}}  # fmt: skip
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "Its name"}},
+                "required": ["city"],
+            },
+        },
+    }
     return [weather], {
         "name": "get_weather",
         "description": "The weather in a city",
@@ -204,12 +225,21 @@ def test_tools_are_offered_in_llama_3_1_s_prompt(client, reference):
 
 def test_a_dialog_with_tool_calls_and_results_is_written_as_llama_writes_it(client, reference):
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    messages = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 C"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 C"},
+    ]
     answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
-    ours = [messages[0], {"role": "assistant", "content": "",
-                          "tool_calls": [{"tool_name": "get_weather", "arguments": {"city": "Paris"}}]},
-            {"role": "tool", "content": "Sunny, 21 C"}]  # fmt: skip
+    ours = [
+        messages[0],
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"tool_name": "get_weather", "arguments": {"city": "Paris"}}],
+        },
+        {"role": "tool", "content": "Sunny, 21 C"},
+    ]
     assert answer.usage.prompt_tokens == len(chat_prompt(reference, ours))
 
 
@@ -223,7 +253,7 @@ BAD = {
     "prompt longer than the window": (
         {**GOOD, "messages": [{"role": "user", "content": "word " * 2000}]},
         "messages",
-    ),  # fmt: skip
+    ),
     "max_tokens over the limit": ({**GOOD, "max_tokens": MAX_SEQ_LEN}, "max_tokens"),
     "max_tokens zero": ({**GOOD, "max_tokens": 0}, "max_tokens"),
     "negative temperature": ({**GOOD, "temperature": -1}, "temperature"),
@@ -276,8 +306,10 @@ def test_a_full_queue_is_a_429_and_clients_that_leave_free_their_rows(server):
     before = server.health()["sampled_tokens"]
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.Client(timeout=60) as http:
-        streams = [http.stream("POST", server.url + "/v1/chat/completions", json=long, headers=headers)
-                   for _ in range(ROWS + QUEUE)]  # fmt: skip
+        streams = [
+            http.stream("POST", server.url + "/v1/chat/completions", json=long, headers=headers)
+            for _ in range(ROWS + QUEUE)
+        ]
         responses = [stream.__enter__() for stream in streams]
         wait_for(lambda: server.health()["waiting"] == QUEUE and server.health()["running"] == ROWS, "a full queue")
         refused = post(server, "/v1/chat/completions", GOOD)
@@ -299,8 +331,12 @@ def test_a_client_that_gives_up_on_a_whole_answer_frees_its_row(server):
     before = server.health()["sampled_tokens"]
     body = {**GOOD, "max_tokens": MAX_SEQ_LEN - 20, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
-                   timeout=httpx.Timeout(30, read=0.3))  # fmt: skip
+        httpx.post(
+            server.url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=httpx.Timeout(30, read=0.3),
+        )
     wait_for(lambda: server.health()["free_rows"] == ROWS, "free rows")
     assert server.health()["sampled_tokens"] - before < body["max_tokens"]  # stopped before the end
 
@@ -364,7 +400,8 @@ def test_under_torchrun_two_processes_serve_one_process_s_tokens(checkpoint, cli
 @pytest.mark.slow
 def test_without_fastapi_it_says_what_to_install():
     code = "import sys; sys.modules['fastapi'] = None; from llama.serve import main; main(['--ckpt_dir', 'x'])"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]
+    )
     assert result.returncode == 2
     assert "pip install 'llama3[serve]'" in result.stderr
