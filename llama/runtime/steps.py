@@ -37,8 +37,8 @@ def for_runtime(
     with (None: eagerly, `RuntimeTransformer.decode_step` or `forward`). The same weights and math throughout; each
     step keeps the logits of the reference's algorithm, up to the order of float32 sums (tested).
 
-    1. `use_cpu_kernels`: on the CPU, each fairscale linear layer becomes a `CPULinear`, whose kernel per row count
-       is chosen in step 4.
+    1. `use_cpu_kernels`: on the CPU (`cpu_kernels_apply`), each fairscale linear layer becomes a `CPULinear`, whose
+       kernel per row count is chosen in step 4.
     2. `use_parallel_layers`: every other fairscale layer becomes `ParallelLinear` or `ParallelEmbedding`: the
        collectives called directly and skipped in one process, traceable by torch.compile.
     3. `RuntimeTransformer`: the runtime modules (`llama.runtime.transformer`): fused products where the CPU runs
@@ -49,14 +49,15 @@ def for_runtime(
     6. The decode step: compiled with torch.compile if asked (`compiled_decode_step`), else on one CUDA GPU
        replayed as CUDA graphs where `cuda_graphs` (`use_cuda_graphs`, `CUDAGraphDecodeStep`).
     """
-    on_cpu_kernels = use_cpu_kernels(model)
+    # What this CPU's kernels can do for the model, asked before its layers change.
+    on_cpu_kernels = cpu_kernels_apply(model)
+    copies = on_cpu_kernels and copies_fit(model)  # kernels on a second copy of the weights, where memory allows
+    one_position = attention_kernel(model.tok_embeddings.weight.dtype) if on_cpu_kernels else None
+    if on_cpu_kernels:
+        use_cpu_kernels(model)
     use_parallel_layers(model)
-    copies = on_cpu_kernels and copies_fit(model)
-    runtime = RuntimeTransformer(
-        model,
-        fuse=fused_product if copies else lambda name, *layers: None,
-        one_position_attention=attention_kernel(model.tok_embeddings.weight.dtype) if on_cpu_kernels else None,
-    )
+    fuse = fused_product if copies else lambda name, *layers: None
+    runtime = RuntimeTransformer(model, fuse, one_position)
     if on_cpu_kernels:
         choose_cpu_kernels(runtime, copies)
     choose_int8_kernels(runtime)
@@ -84,13 +85,10 @@ def replace_layers(model: nn.Module, kind, replacement) -> None:
                 setattr(module, name, replacement(child))
 
 
-def use_cpu_kernels(model: nn.Module) -> bool:
-    """Step 1: every fairscale linear layer of `model` becomes a `CPULinear` (on `F.linear` until step 4 chooses),
-    where `cpu_kernels_apply`; returns whether it did."""
-    if not cpu_kernels_apply(model):
-        return False
+def use_cpu_kernels(model: nn.Module) -> None:
+    """Step 1: every fairscale linear layer of `model` becomes a `CPULinear` (on `F.linear` until step 4 chooses);
+    for a model that `llama.cpu.cpu_kernels_apply` to."""
     replace_layers(model, LINEAR, CPULinear)
-    return True
 
 
 def use_parallel_layers(model: nn.Module) -> None:
