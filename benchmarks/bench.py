@@ -185,11 +185,11 @@ def decode_step_bytes(model) -> int:
     """Bytes one batch-1 decode step reads: every weight once, except the embedding table (one row is read),
     unless it doubles as the output head; a weight that runs on a float16 copy (`llama.cpu.CPULinear`), 2 bytes
     each."""
-    from llama.cpu import FusedProduct, product_owners
+    from llama.cpu import layers_of, product_owners
 
     on_copies = set()
     for owner in product_owners(model):  # `packed` maps a kernel to (versions, copy), None where fp16 cannot hold it
-        layers = owner.layers if isinstance(owner, FusedProduct) else (owner,)
+        layers = layers_of(owner)
         if layers[0].kernel_for(1) == "fp16" and owner.packed.get("fp16", (None, None))[1] is not None:
             on_copies.update(id(layer.weight) for layer in layers)
     weights = {}  # a tied head and the embedding are one parameter

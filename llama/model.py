@@ -316,13 +316,18 @@ class Transformer(nn.Module):
             )
         self.freqs_cis = self.rope_table(device)
 
+    def rope_at(self, start_pos: int, seqlen: int, device: torch.device) -> torch.Tensor:
+        """The RoPE table's rows for positions [start_pos, start_pos + seqlen), the table made on `device` first where
+        it is not there yet."""
+        if self.freqs_cis is None or self.freqs_cis.device != device:
+            self.freqs_cis = self.rope_table(device)
+        return self.freqs_cis[start_pos : start_pos + seqlen]
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int):
         _bsz, seqlen = tokens.shape
         h = self.tok_embeddings(tokens)
-        if self.freqs_cis is None or self.freqs_cis.device != h.device:
-            self.freqs_cis = self.rope_table(h.device)
-        freqs_cis = self.freqs_cis[start_pos : start_pos + seqlen]
+        freqs_cis = self.rope_at(start_pos, seqlen, h.device)
         mask = causal_mask(seqlen, start_pos, h)
         for layer in self.layers:
             h = layer(h, start_pos, freqs_cis, mask)

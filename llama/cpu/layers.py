@@ -66,8 +66,8 @@ class CPULinear(ParallelLinear):
         if kernel == "fp16":
             packed = self.packed_copy("fp16")
             return F.linear(x, self.weight) if packed is None else fp16_linear(x, packed)
-        on_a_copy = kernel == "onednn" and self.weight.dtype != torch.float32
-        return run_kernel(kernel, x, self.weight, self.packed_copy("onednn") if on_a_copy else None)
+        packed = self.packed_copy("onednn") if runs_on_a_copy(kernel, self.weight.dtype) else None
+        return run_kernel(kernel, x, self.weight, packed)
 
     def packed_copy(self, kernel: str):
         """The weight's copy for `kernel` (None where `pack_as_fp16` cannot hold it), made again if the weight was
@@ -169,9 +169,14 @@ def product_owners(model: nn.Module) -> List[nn.Module]:
     return fused + [m for m in model.modules() if isinstance(m, CPULinear) and id(m) not in in_groups]
 
 
+def layers_of(owner: nn.Module) -> Tuple[CPULinear, ...]:
+    """The layers of the product `owner` runs: a `FusedProduct`'s, or a lone `CPULinear` itself."""
+    return owner.layers if isinstance(owner, FusedProduct) else (owner,)
+
+
 def products(model: nn.Module) -> List[Tuple[CPULinear, ...]]:
     """The layers of each product a step runs: a fused group's together, every other `CPULinear` alone."""
-    return [owner.layers if isinstance(owner, FusedProduct) else (owner,) for owner in product_owners(model)]
+    return [layers_of(owner) for owner in product_owners(model)]
 
 
 def product_name(layers: Sequence[CPULinear]) -> str:
@@ -187,9 +192,7 @@ def product_name(layers: Sequence[CPULinear]) -> str:
 def make_fp16_copies(model: nn.Module) -> None:
     """Make the float16 copies of `model`'s products that run on them now rather than at their first use, on as
     many Python threads as torch uses: fbgemm packs a weight on one core."""
-    copies = [
-        owner for owner, layers in zip(product_owners(model), products(model)) if "fp16" in layers[0].kernels.values()
-    ]
+    copies = [owner for owner in product_owners(model) if "fp16" in layers_of(owner)[0].kernels.values()]
     start = time.perf_counter()
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
         made = sum(packed is not None for packed in pool.map(lambda owner: owner.packed_copy("fp16"), copies))

@@ -5,7 +5,7 @@ engine's cache writes, a faster kernel for one new position), `transformer` (`Ru
 position only, cache rows, `decode_step`) and `steps` (`for_runtime` and each of its steps).
 """
 
-from llama.runtime.attention import RuntimeAttention, rotate, write_at_positions, write_rows
+from llama.runtime.attention import RuntimeAttention, apply_rotary_emb_per_row, write_at_positions, write_rows
 from llama.runtime.steps import (
     choose_cpu_kernels,
     choose_int8_kernels,
@@ -27,6 +27,7 @@ __all__ = [
     "RuntimeAttention",
     "RuntimeBlock",
     "RuntimeTransformer",
+    "apply_rotary_emb_per_row",
     "choose_cpu_kernels",
     "choose_int8_kernels",
     "compiled_decode_step",
@@ -34,7 +35,6 @@ __all__ = [
     "for_runtime",
     "quantize_model",
     "replace_layers",
-    "rotate",
     "unpack_layers",
     "use_cpu_kernels",
     "use_cuda_graphs",

@@ -57,11 +57,11 @@ def write_at_positions(
     return cache.cache_k[:bsz], cache.cache_v[:bsz]
 
 
-def rotate(xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`apply_rotary_emb`, where `freqs_cis` may also hold one position for each row of a one-token batch (bsz > 1
-    rows of `freqs_cis` for xq of (bsz, 1, heads, head_dim)): the rows are then rotated as positions of one row."""
-    if freqs_cis.shape[0] == xq.shape[1]:
-        return apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
+def apply_rotary_emb_per_row(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary_emb` for one new token per row, each row at a position of its own: xq and xk (bsz, 1, heads,
+    head_dim), `freqs_cis` one row per batch row. The rows are rotated as the positions of one sequence."""
     xq, xk = apply_rotary_emb(xq.transpose(0, 1), xk.transpose(0, 1), freqs_cis=freqs_cis)
     return xq.transpose(0, 1), xk.transpose(0, 1)
 
@@ -98,10 +98,13 @@ class RuntimeAttention(nn.Module):
         xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
         xk = xk.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         xv = xv.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
-        xq, xk = rotate(xq, xk, freqs_cis)
-        if isinstance(start_pos, torch.Tensor):
+        if isinstance(start_pos, torch.Tensor):  # the fixed-shape step: positions as a tensor
+            per_row = len(start_pos) > 1
+            rotated = apply_rotary_emb_per_row if per_row else apply_rotary_emb
+            xq, xk = rotated(xq, xk, freqs_cis=freqs_cis)
             keys, values = write_at_positions(self.kv_cache, start_pos, xk, xv)
         else:
+            xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
             keys, values = write_rows(self.kv_cache, start_pos, first_row, xk, xv)
         output = self.attend(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask)
         return self.wo(output.transpose(1, 2).contiguous().view(bsz, seqlen, -1))

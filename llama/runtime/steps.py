@@ -56,8 +56,7 @@ def for_runtime(
     if on_cpu_kernels:
         use_cpu_kernels(model)
     use_parallel_layers(model)
-    fuse = fused_product if copies else lambda name, *layers: None
-    runtime = RuntimeTransformer(model, fuse, one_position)
+    runtime = RuntimeTransformer(model, fused_product if copies else None, one_position)
     if on_cpu_kernels:
         choose_cpu_kernels(runtime, copies)
     choose_int8_kernels(runtime)

@@ -39,14 +39,15 @@ class RuntimeBlock(nn.Module):
     """`TransformerBlock` over `RuntimeAttention`, whose positions may be a tensor and whose batch may sit in rows
     of the cache from `first_row` on."""
 
-    def __init__(self, block: TransformerBlock, fuse: FuseProducts, one_position_attention: Optional[AttentionKernel]):
+    def __init__(
+        self, block: TransformerBlock, fuse: Optional[FuseProducts], one_position_attention: Optional[AttentionKernel]
+    ):
         super().__init__()
         self.layer_id = block.layer_id
         attention, feed_forward = block.attention, block.feed_forward
-        self.attention = RuntimeAttention(
-            attention, fuse("qkv", attention.wq, attention.wk, attention.wv), one_position_attention
-        )
-        w13 = fuse("w13", feed_forward.w1, feed_forward.w3)
+        qkv = fuse("qkv", attention.wq, attention.wk, attention.wv) if fuse else None
+        self.attention = RuntimeAttention(attention, qkv, one_position_attention)
+        w13 = fuse("w13", feed_forward.w1, feed_forward.w3) if fuse else None
         self.feed_forward = feed_forward if w13 is None else FusedFeedForward(feed_forward, w13)
         self.attention_norm, self.ffn_norm = block.attention_norm, block.ffn_norm
 
@@ -68,13 +69,13 @@ class RuntimeBlock(nn.Module):
 
 class RuntimeTransformer(nn.Module):
     """A loaded `Transformer`'s modules, run as decoding needs them (see the module). `llama.runtime.for_runtime`
-    builds it; `fuse` gives the fused products of each block, `one_position_attention` a faster kernel for one new
-    position's attention, where the device has them."""
+    builds it; `fuse` (if any) gives the fused products of each block, `one_position_attention` a faster kernel for
+    one new position's attention, where the device has them."""
 
     def __init__(
         self,
         model: Transformer,
-        fuse: FuseProducts = lambda name, *layers: None,
+        fuse: Optional[FuseProducts] = None,
         one_position_attention: Optional[AttentionKernel] = None,
     ):
         super().__init__()
@@ -87,6 +88,7 @@ class RuntimeTransformer(nn.Module):
 
     # The RoPE table and the caches are made as the reference makes them.
     rope_table = Transformer.rope_table
+    rope_at = Transformer.rope_at
     init_kv_caches = Transformer.init_kv_caches
 
     @torch.inference_mode()
@@ -97,9 +99,7 @@ class RuntimeTransformer(nn.Module):
         cache's rows [first_row, first_row + bsz)."""
         seqlen = tokens.shape[1]
         h = self.tok_embeddings(tokens)
-        if self.freqs_cis is None or self.freqs_cis.device != h.device:
-            self.freqs_cis = self.rope_table(h.device)
-        freqs_cis = self.freqs_cis[start_pos : start_pos + seqlen]
+        freqs_cis = self.rope_at(start_pos, seqlen, h.device)
         mask = causal_mask(seqlen, start_pos, h)
         for layer in self.layers:
             last_only = last_logits_only and layer is self.layers[-1]
