@@ -3,8 +3,8 @@ from typing import List
 
 from llama import Dialog, Llama, command_line
 from llama.chat import run_chat
+from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.decoding import check_sampling
-from llama.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 
 def main(

@@ -2,8 +2,8 @@ import sys
 from typing import List
 
 from llama import Llama, command_line
+from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.decoding import check_sampling
-from llama.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 
 def main(

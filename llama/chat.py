@@ -17,9 +17,9 @@ from typing import Callable, Iterator, List, Optional, TextIO, TypeVar
 import torch.distributed as dist
 
 from llama.chat_input import BLOCK, CONTINUED, LineEditor, closest_command, load_dialog, read_message, save_dialog
+from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.generation import Llama
 from llama.progress import Stopwatch
-from llama.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.tokenizer import Message
 
 T = TypeVar("T")

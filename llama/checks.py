@@ -1,10 +1,15 @@
-"""Checks of what a caller passes in, with errors that name the argument and the fix (`ValueError`), and
-`short_repr`, which keeps any value the checks quote short."""
+"""What a caller passes in: the sampling defaults, the checks of every argument, with errors that name the
+argument and the fix (`ValueError`), and `short_repr`, which keeps any value the checks quote short. Nothing here
+imports torch, so that the `llama` command can check its flags (and answer `--version`) before torch loads."""
 
 import math
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
+
+# The sampling defaults of Meta's `text_completion` and `chat_completion`, used wherever a caller may leave them out.
+DEFAULT_TEMPERATURE = 0.6
+DEFAULT_TOP_P = 0.9
 
 
 def token_id_list(ids: Sequence[int], vocab_size: int, where: str = "") -> list[int]:

@@ -20,9 +20,9 @@ import sys
 from typing import List, Optional
 
 from llama import __version__
+from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.command_line import check_prompts_fit, ends_on_ctrl_c, fail, rank0_stream, user_errors
 from llama.logs import show_logs
-from llama.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 
 PROG = "llama"
 

@@ -11,11 +11,10 @@ import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 
 from llama.checkpoint import LoadReport, load_checkpoint
-from llama.checks import checked_gen_len
+from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, checked_gen_len
 from llama.decoding import BatchDecoder, StopReason, StreamChunk
 from llama.progress import AnnouncedCompiles, Speed, Stopwatch
 from llama.runtime import DecodeStep, RuntimeTransformer, compiled_decode_step, for_runtime
-from llama.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.tokenizer import ChatFormat, Dialog, Message, Tokenizer
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)

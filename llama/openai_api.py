@@ -8,8 +8,8 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.engine import Output
-from llama.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.tokenizer import ROLES as LLAMA_ROLES
 from llama.tokenizer import ChatFormat, Message, Tokenizer
 from llama.tools import tool_messages

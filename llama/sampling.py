@@ -6,10 +6,6 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-# The sampling defaults of Meta's `text_completion` and `chat_completion`, used wherever a caller may leave them out.
-DEFAULT_TEMPERATURE = 0.6
-DEFAULT_TOP_P = 0.9
-
 
 def sample_top_p(probs: torch.Tensor, p: float, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Nucleus sampling: draw from the smallest set of most likely tokens whose probabilities add up to more than

@@ -78,6 +78,14 @@ def test_version_is_the_package_version_and_the_installed_one(monkeypatch):
     assert setup.call_args.kwargs["version"] == llama.__version__
 
 
+def test_version_and_help_answer_before_torch_loads():
+    """The command line's own modules (and the sampling defaults its flags show) import no torch: `--version` and
+    `-h` answer in a fraction of a second, as llama/__init__.py promises."""
+    code = "import sys, llama.commands; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
 def test_the_console_script_is_declared_and_runs_the_same_main(monkeypatch):
     monkeypatch.chdir(ROOT)
     with mock.patch("setuptools.setup") as setup:
