@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from llama.checks import check_sampling, token_id_list
 from llama.runtime import DecodeStep, RuntimeTransformer
 from llama.sampling import sample_next
-from llama.tokenizer import StopReason, Tokenizer, ToolCall
+from llama.tokenizer import StopReason, Tokenizer, ToolCall, stop_reason
 
 
 @dataclass
@@ -199,4 +199,4 @@ class BatchDecoder:
         if not stop_at:
             return tokens, None
         first = min(stop_at)
-        return tokens[:first], "end_of_message" if tokens[first] == self.tokenizer.eom_id else "end_of_turn"
+        return tokens[:first], stop_reason(self.tokenizer, tokens[first])

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from llama.runtime import DecodeStep, RuntimeTransformer
 from llama.sampling import sample_next
-from llama.tokenizer import Tokenizer
+from llama.tokenizer import Tokenizer, stop_reason
 
 # A server idles between requests for as long as it likes: the plan broadcast gets its own, patient group.
 IDLE_TIMEOUT = timedelta(days=7)
@@ -305,7 +305,7 @@ class Engine:
         row.generated += 1
         self.sampled += 1
         if token in self.tokenizer.stop_tokens:
-            request.emit(Output(finish="end_of_message" if token == self.tokenizer.eom_id else "end_of_turn"))
+            request.emit(Output(finish=stop_reason(self.tokenizer, token)))
             self.rows[i] = None
             return
         output = Output(token=token)

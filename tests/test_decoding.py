@@ -38,7 +38,7 @@ def tokenizer():
     return SimpleNamespace(
         pad_id=-1,
         stop_tokens={STOP},
-        eom_id=None,
+        special_tokens={},  # STOP is no named stop token: it ends a turn
         decode_bytes=lambda tokens: "".join(chr(ord("a") + t) for t in tokens).encode(),
     )
 
