@@ -13,7 +13,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from llama.checks import check_sampling, token_id_list
+from llama.checks import check_sampling, checked_gen_len, token_id_list
 from llama.runtime import DecodeStep, RuntimeTransformer
 from llama.sampling import sample_next
 from llama.tokenizer import StopReason, Tokenizer, ToolCall, stop_reason
@@ -54,6 +54,12 @@ class BatchDecoder:
     @property
     def device(self) -> torch.device:
         return self.model.tok_embeddings.weight.device
+
+    def gen_len(self, max_gen_len: Optional[int]) -> int:
+        """`max_gen_len` as `Llama`'s methods take it, as an int: None means as many tokens as the context allows
+        (max_seq_len - 1)."""
+        max_gen_len = checked_gen_len(max_gen_len)
+        return self.model.params.max_seq_len - 1 if max_gen_len is None else max_gen_len
 
     def run(
         self,

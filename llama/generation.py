@@ -1,20 +1,23 @@
 """The public API: `Llama.build` loads a checkpoint and its tokenizer; `generate`, `text_completion` and
-`chat_completion` (and their streaming forms) run them. Loading lives in `llama.checkpoint`, decoding in
-`llama.decoding`; this class ties them together.
+`chat_completion` (and their streaming forms, from `llama.streaming`) run them. Loading lives in `llama.checkpoint`,
+the runtime in `llama.runtime`, decoding in `llama.decoding`, and the way between text and token IDs in
+`llama.completions`; this class ties them together.
 """
 
 import time
 from datetime import timedelta
-from typing import Dict, Iterator, List, Optional, Tuple, TypedDict, Union
+from typing import List, Optional, Tuple, TypedDict, Union
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 
 from llama.checkpoint import LoadReport, load_checkpoint
-from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, checked_gen_len
-from llama.decoding import BatchDecoder, StopReason, StreamChunk
+from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.completions import assistant_message, encode_dialogs, encode_prompts, token_logprobs
+from llama.decoding import BatchDecoder, StopReason
 from llama.progress import AnnouncedCompiles, Speed, Stopwatch
 from llama.runtime import DecodeStep, RuntimeTransformer, compiled_decode_step, for_runtime
+from llama.streaming import StreamingCompletions
 from llama.tokenizer import ChatFormat, Dialog, Message, Tokenizer
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -33,7 +36,7 @@ class ChatPrediction(TypedDict, total=False):
     stop_reason: StopReason  # ours: why the answer ended
 
 
-class Llama:
+class Llama(StreamingCompletions):
     load_report: Optional[LoadReport] = None  # what `build` chose and how long it took
     last_speed: Optional[Speed] = None  # of the last `generate`, `text_completion` or `chat_completion` (not streams)
 
@@ -152,7 +155,7 @@ class Llama:
         Raises:
             ValueError: for an empty batch or prompt, a batch or prompt that is too long, or a bad parameter.
         """
-        max_gen_len = self._gen_len(max_gen_len)
+        max_gen_len = self.decoder.gen_len(max_gen_len)
         stopwatch = Stopwatch(self.decoder)
         out_tokens, out_logprobs, _ = self.decoder.run(prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo)
         new_tokens = sum(max(len(t) - (len(p) if echo else 0), 0) for t, p in zip(out_tokens, prompt_tokens))
@@ -191,7 +194,7 @@ class Llama:
         for i, t in enumerate(generation_tokens):
             results.append({"generation": self.tokenizer.decode(t)})
             if logprobs:
-                results[-1].update(self._token_logprobs(t, generation_logprobs[i]))
+                results[-1].update(token_logprobs(self.tokenizer, t, generation_logprobs[i]))
         return results
 
     @torch.inference_mode()
@@ -223,115 +226,13 @@ class Llama:
         prompt_tokens = encode_dialogs(self.formatter, dialogs)
         stopwatch = Stopwatch(self.decoder)
         generation_tokens, generation_logprobs, stop_reasons = self.decoder.run(
-            prompt_tokens, self._gen_len(max_gen_len), temperature, top_p, logprobs, echo=False
+            prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p, logprobs, echo=False
         )
         self.last_speed = stopwatch.speed(sum(len(t) for t in generation_tokens))
         results: List[ChatPrediction] = []
         for t, logprobs_i, reason in zip(generation_tokens, generation_logprobs, stop_reasons):
             results.append({"generation": assistant_message(self.formatter, t, reason)})
             if logprobs:
-                results[-1].update(self._token_logprobs(t, logprobs_i))
+                results[-1].update(token_logprobs(self.tokenizer, t, logprobs_i))
             results[-1]["stop_reason"] = reason
         return results
-
-    @torch.inference_mode()
-    def text_completion_stream(
-        self,
-        prompts: List[str],
-        temperature: float = DEFAULT_TEMPERATURE,
-        top_p: float = DEFAULT_TOP_P,
-        max_gen_len: Optional[int] = None,
-    ) -> Iterator[StreamChunk]:
-        """Like `text_completion`, but yields each prompt's new text as soon as it can be decoded.
-
-        Chunks of different prompts interleave; join the `text` of one `index` to get its whole generation,
-        which equals `text_completion`'s for the same seed. A chunk never ends inside a multi-byte character.
-        Each prompt's last chunk has `finished=True` and its `stop_reason`.
-
-        Raises:
-            ValueError: as `text_completion`.
-        """
-        prompt_tokens = encode_prompts(self.tokenizer, prompts)
-        yield from self.decoder.stream(prompt_tokens, self._gen_len(max_gen_len), temperature, top_p)
-
-    @torch.inference_mode()
-    def chat_completion_stream(
-        self,
-        dialogs: List[Dialog],
-        temperature: float = DEFAULT_TEMPERATURE,
-        top_p: float = DEFAULT_TOP_P,
-        max_gen_len: Optional[int] = None,
-    ) -> Iterator[StreamChunk]:
-        """Like `chat_completion`, but yields each answer's new text as soon as it can be decoded.
-
-        See `text_completion_stream` for the chunks; joined, they are the answer's text (`chat_completion`'s
-        content unless it calls tools), and with Llama 3.1+ the last one carries the answer's `tool_calls`, if any.
-
-        Raises:
-            ValueError: as `chat_completion`.
-        """
-        prompt_tokens = encode_dialogs(self.formatter, dialogs)
-        chunks = self.decoder.stream(prompt_tokens, self._gen_len(max_gen_len), temperature, top_p)
-        yield from with_tool_calls(self.formatter, chunks)
-
-    def _token_logprobs(self, tokens: List[int], logprobs: List[float]) -> dict:
-        """The "tokens" (each decoded alone) and "logprobs" entries of a prediction."""
-        return {"tokens": [self.tokenizer.decode([x]) for x in tokens], "logprobs": logprobs}
-
-    def _gen_len(self, max_gen_len: Optional[int]) -> int:
-        """max_gen_len as an int, where None means as many tokens as the context allows (max_seq_len - 1)."""
-        max_gen_len = checked_gen_len(max_gen_len)
-        return self.model.params.max_seq_len - 1 if max_gen_len is None else max_gen_len
-
-
-def encode_prompts(tokenizer: Tokenizer, prompts: List[str]) -> List[List[int]]:
-    """Each prompt's tokens, after a beginning-of-text token; a ValueError names a prompt that cannot work."""
-    if isinstance(prompts, str):
-        raise ValueError("prompts must be a list of strings; wrap a single prompt in a list: [prompt]")
-    if not prompts:
-        raise ValueError("No prompts given; pass a list with at least one prompt")
-    for i, prompt in enumerate(prompts):
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"Prompt {i} is {'empty' if prompt == '' else 'not a string'}: {prompt!r}")
-    return [tokenizer.encode(x, bos=True, eos=False) for x in prompts]
-
-
-def encode_dialogs(formatter: ChatFormat, dialogs: List[Dialog]) -> List[List[int]]:
-    """Each dialog in the chat format, ending where the assistant's answer starts; a ValueError names a dialog
-    that cannot work."""
-    if not dialogs:
-        raise ValueError("No dialogs given; pass a list with at least one dialog")
-    for i, dialog in enumerate(dialogs):
-        if isinstance(dialog, dict):
-            raise ValueError("dialogs must be a list of dialogs (lists of messages); wrap one dialog in a list")
-        if not dialog:
-            raise ValueError(f"Dialog {i} is empty; give it at least one message")
-    return [formatter.encode_dialog_prompt(dialog) for dialog in dialogs]
-
-
-def assistant_message(formatter: ChatFormat, tokens: List[int], stop_reason: StopReason) -> Message:
-    """The "generation" of one answer: {"role": "assistant", "content": its text}, as the reference gives it. With
-    Llama 3.1+ tokens, an answer that calls tools is the message `ChatFormat.decode_assistant_message` reads instead:
-    empty content, "stop_reason" and "tool_calls" (llama.tools runs them; nothing here does)."""
-    content = formatter.tokenizer.decode(tokens)
-    if formatter.tokenizer.version != "3":
-        message = formatter.decode_assistant_message_from_content(content, stop_reason)
-        if message["tool_calls"]:
-            return message
-    return {"role": "assistant", "content": content}
-
-
-def with_tool_calls(formatter: ChatFormat, chunks: Iterator[StreamChunk]) -> Iterator[StreamChunk]:
-    """`chunks` as they come; with Llama 3.1+ tokens, each answer's last chunk carries the tool calls its whole text
-    makes (as `assistant_message` reads them), or None."""
-    if formatter.tokenizer.version == "3":
-        yield from chunks
-        return
-    texts: Dict[int, List[str]] = {}
-    for chunk in chunks:
-        texts.setdefault(chunk.index, []).append(chunk.text)
-        if chunk.finished:
-            text = "".join(texts.pop(chunk.index))
-            message = formatter.decode_assistant_message_from_content(text, chunk.stop_reason or "length")
-            chunk.tool_calls = message["tool_calls"] or None
-        yield chunk
