@@ -38,13 +38,13 @@ def for_runtime(
     step keeps the logits of the reference's algorithm, up to the order of float32 sums (tested).
 
     1. `use_cpu_kernels`: on the CPU (`cpu_kernels_apply`), each fairscale linear layer becomes a `CPULinear`, whose
-       kernel per row count is chosen in step 4.
-    2. `use_parallel_layers`: every other fairscale layer becomes `ParallelLinear` or `ParallelEmbedding`: the
-       collectives called directly and skipped in one process, traceable by torch.compile.
-    3. `RuntimeTransformer`: the runtime modules (`llama.runtime.transformer`): fused products where the CPU runs
+       kernel per row count is chosen in step 3.
+    2. `RuntimeTransformer`: the runtime modules (`llama.runtime.transformer`): fused products where the CPU runs
        them as one (`FusedQKV`, `FusedW13`), the fixed-shape decode step, per-row positions and cache rows for the
        engine, and a faster kernel for one new position's attention where the CPU has one.
-    4. `choose_cpu_kernels`: each product's kernels measured (or read from the cache), and the float16 copies made.
+    3. `choose_cpu_kernels`: each product's kernels measured (or read from the cache), and the float16 copies made.
+    4. `use_parallel_layers`: every fairscale layer left (all of them off the CPU) becomes `ParallelLinear` or
+       `ParallelEmbedding`: the collectives called directly and skipped in one process, traceable by torch.compile.
     5. `choose_int8_kernels`: on a GPU, the faster of two int8 products for each shape, timed.
     6. The decode step: compiled with torch.compile if asked (`compiled_decode_step`), else on one CUDA GPU
        replayed as CUDA graphs where `cuda_graphs` (`use_cuda_graphs`, `CUDAGraphDecodeStep`).
@@ -55,10 +55,10 @@ def for_runtime(
     one_position = attention_kernel(model.tok_embeddings.weight.dtype) if on_cpu_kernels else None
     if on_cpu_kernels:
         use_cpu_kernels(model)
-    use_parallel_layers(model)
     runtime = RuntimeTransformer(model, fused_product if copies else None, one_position)
     if on_cpu_kernels:
         choose_cpu_kernels(runtime, copies)
+    use_parallel_layers(runtime)
     choose_int8_kernels(runtime)
     if compile:
         return runtime, AnnouncedCompiles(compiled_decode_step(runtime))
@@ -85,13 +85,13 @@ def replace_layers(model: nn.Module, kind, replacement) -> None:
 
 
 def use_cpu_kernels(model: nn.Module) -> None:
-    """Step 1: every fairscale linear layer of `model` becomes a `CPULinear` (on `F.linear` until step 4 chooses);
+    """Step 1: every fairscale linear layer of `model` becomes a `CPULinear` (on `F.linear` until step 3 chooses);
     for a model that `llama.cpu.cpu_kernels_apply` to."""
     replace_layers(model, LINEAR, CPULinear)
 
 
 def use_parallel_layers(model: nn.Module) -> None:
-    """Step 2: fairscale's linear layers and embedding become `ParallelLinear` and `ParallelEmbedding` (the same
+    """Step 4: fairscale's linear layers and embedding become `ParallelLinear` and `ParallelEmbedding` (the same
     weights, keys and math); layers replaced already (`CPULinear`, quantized ones) stay as they are."""
     replace_layers(model, LINEAR, ParallelLinear)
     replace_layers(model, VocabParallelEmbedding, ParallelEmbedding)
@@ -103,7 +103,7 @@ def unpack_layers(model: nn.Module) -> None:
 
 
 def choose_cpu_kernels(model: nn.Module, copies: bool) -> None:
-    """Step 4: each product's kernel for each row count that matters (`llama.cpu.choose_kernels`; kernels on a copy
+    """Step 3: each product's kernel for each row count that matters (`llama.cpu.choose_kernels`; kernels on a copy
     of the weights only where `copies`), then the float16 copies chosen kernels run on."""
     for layer, kernels in choose_kernels(model, row_counts(model.params.max_batch_size), copies).items():
         layer.kernels = kernels
