@@ -27,7 +27,7 @@ from llama.cpu.kernels import (
 )
 from llama.cpu.layers import CPULinear, product_name, products
 from llama.distributed import available_memory
-from llama.timing import timed
+from llama.timing import timed, timed_call
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +122,7 @@ def make_samples(jobs: List[Job]) -> Dict[tuple, tuple]:
 
     def make(item):
         (_, kernel, values), layers = item
-        start = time.perf_counter()
-        copy = sample_copy(kernel, layers, values)
-        return copy, time.perf_counter() - start
+        return timed_call(lambda: sample_copy(kernel, layers, values))
 
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
         return dict(zip(wanted, pool.map(make, wanted.items())))
