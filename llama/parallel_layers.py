@@ -10,8 +10,8 @@ graph of several processes run it as a functional all-reduce, which the graph in
 compiles to a single graph.
 
 `llama.runtime` uses them on every device (on CPU the linear layers are their subclass `llama.cpu.CPULinear`). In
-eager decoding they also skip the cost of fairscale's autograd.Functions: about 220 calls of 4 to 8 us per token
-for Llama 3 8B in one process, some 1.5 ms, which on a GPU is several percent of an eager step.
+eager decoding they also skip the cost of fairscale's autograd.Functions, a few hundred calls per token (figures:
+docs/speed.md).
 """
 
 import fairscale.nn.model_parallel.initialize as fs_init

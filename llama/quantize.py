@@ -31,8 +31,7 @@ INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernels accept
 INT4_ROWS = 16  # the CPU int4 kernel takes weights of a multiple of this many rows (CUDA: 8)
 # Weights are quantized (and int4 converted to the kernel's layout) a block of whole rows at a time, about this
 # many values: its float32 temporaries (8 MiB) stay small enough for the allocator to reuse them, where larger
-# ones are mapped afresh each time and fault in page by page (the 1B head quantizes 2-3x faster than in blocks of
-# 4096 rows).
+# ones are mapped afresh each time and fault in page by page (figures: docs/speed.md).
 CHUNK_VALUES = 2**21
 
 

@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 PROMPT_ROWS = 256  # the row count a prompt is measured at; inputs of more rows than the batch use its choice
 DECODE_SAMPLE_VALUES = 2**22  # one row and the batch: timed on up to this many weights of a product (from memory)
 PROMPT_SAMPLE_VALUES = 2**20  # a prompt: fewer, since it is bound by arithmetic rather than by reading the weight
-# Timed rounds, after a warm-up one: each kernel ranks by its median round, what decoding meets step after step (a
-# lucky round once put 1B's head on a kernel 20% slower); a float16 copy must lead the other kernels' fastest round.
+# Timed rounds, after a warm-up one: each kernel ranks by its median round, what decoding meets step after step,
+# rather than by a lucky fastest one (docs/speed.md); a float16 copy must lead the other kernels' fastest round.
 TIMED_ROUNDS = 5
 PROMPT_TIMED_ROUNDS = 2  # a prompt's calls are steadier, and each costs some 20 decode calls
 
@@ -178,9 +178,8 @@ def calls_per_context(rows: int, max_seq_len: int) -> float:
 def kernels_for(measured: Dict[int, Measured], max_seq_len: int) -> Dict[int, str]:
     """The kernel for each row count: the fastest measured, except that a float16 copy is made only where it pays:
     where the time it would save over one full context at a row count it wins (`calls_per_context`) exceeds the
-    time it takes to make. (On an AVX-512 CPU where oneDNN's bfloat16 kernels decode 1B in bfloat16 fastest, a
-    float16 copy that would speed up only its prompts takes some 10 s to make and saves about 0.5 s per 256 prompt
-    tokens.)"""
+    time it takes to make: a copy that would speed up only the prompts may take longer to make than it ever saves
+    (docs/speed.md, "How the CPU kernels are chosen")."""
     chosen = {rows: m.fastest() for rows, m in measured.items()}
     wins = [rows for rows, kernel in chosen.items() if kernel == "fp16"]
     if wins and copy_saving(measured, wins, max_seq_len) < max(m.fp16_copy or 0.0 for m in measured.values()):

@@ -36,7 +36,7 @@ def fbgemm_fp16_supported() -> bool:
 
 
 FP16_MAX = torch.finfo(torch.float16).max
-FP16_BLOCK_VALUES = 2**24  # fbgemm packs blocks of this size 3-4x faster than a 128256-row head whole
+FP16_BLOCK_VALUES = 2**24  # fbgemm packs blocks of this size faster than a large weight whole (docs/speed.md)
 
 
 def holds_bfloat16_values(weight: torch.Tensor) -> bool:
@@ -84,9 +84,9 @@ def fp16_products(rows: torch.Tensor, packed: List[torch.Tensor]) -> List[torch.
     """fbgemm's product of float32 `rows` with each block of a packed float16 weight.
 
     Called as a `torch.ops` op, each product first looks for `__torch_function__` on its arguments, and on the
-    packed weight (a TorchScript object) that lookup raises an AttributeError in C++ and catches it: some 14 us
-    of a small product's 19 here, over 30 calls a step for a model of 8 layers. With torch functions of tensor
-    subclasses switched off for the call (the activations are plain tensors), the lookup is skipped.
+    packed weight (a TorchScript object) that lookup raises an AttributeError in C++ and catches it, most of a small
+    product's time (docs/speed.md). With torch functions of tensor subclasses switched off for the call (the
+    activations are plain tensors), the lookup is skipped.
     """
     with torch._C.DisableTorchFunctionSubclass():
         return [torch.ops.quantized.linear_dynamic_fp16(rows, block) for block in packed]
@@ -160,20 +160,19 @@ def run_kernel(kernel: str, x: torch.Tensor, weight: torch.Tensor, packed) -> to
 
 
 # From this many scores (query heads x positions attended) on, `one_position_attention` runs on float32 matmuls;
-# below it SDPA's bfloat16 kernel is about as fast or faster (4 to 32 heads over 16 to 64 positions: 14 to 92 us
-# against 76 to 107 us, which a dozen small operations cost whatever their size).
+# below it SDPA's bfloat16 kernel is as fast or faster, since the matmul path's dozen small operations cost what
+# they cost whatever their size (figures: docs/speed.md).
 MATMUL_ATTENTION_MIN_SCORES = 2048
 
 
 def one_position_attention(xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """bfloat16 attention of one new position per sequence (`Attention.one_position_attention`), rounded where
+    """bfloat16 attention of one new position per sequence (`RuntimeAttention.one_position_attention`), rounded where
     Meta's code rounds it: the scores to bfloat16, then divided by sqrt(head_dim) in bfloat16, the softmax (in
     float32) to bfloat16, and the weighted sum of values to bfloat16. The products of bfloat16 values are exact in
     float32, so float32 matmuls give Meta's bfloat16 matmuls but for the order of their sums.
 
-    Where oneDNN has no bfloat16 kernels (AVX2), SDPA's bfloat16 kernel attends one position slowly: for 32 query
-    heads over 1000 positions about 2.2 ms here, against 0.4 ms this way; in Llama 3.2 1B at position 600, 2 ms of
-    each layer's 7.7 ms (profiled). Below `MATMUL_ATTENTION_MIN_SCORES` scores, SDPA is as fast and is kept.
+    Where oneDNN has no bfloat16 kernels (AVX2), SDPA's bfloat16 kernel attends one position several times more
+    slowly than this (docs/speed.md). Below `MATMUL_ATTENTION_MIN_SCORES` scores, SDPA is as fast and is kept.
     """
     bsz, n_heads, _, head_dim = xq.shape
     n_kv_heads, positions = keys.shape[1], keys.shape[2]
