@@ -90,6 +90,7 @@ def row_absmax(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat(absmax)
 
 
+@torch.no_grad()  # a weight that requires grad (Meta's model as built) must not keep each block's copy for autograd
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype, absmax: Optional[torch.Tensor] = None):
     """(q int8, scales in `dtype`) of a 2-D weight, one scale per row. `absmax` overrides each row's largest
     magnitude (the whole row's, for a slice of it)."""
@@ -112,6 +113,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
 
 
+@torch.no_grad()
 def quantize_int4(weight: torch.Tensor, group_size: int, dtype: torch.dtype):
     """(q, scales, zeros) of a 2-D weight, in groups of `group_size` along each row: q holds values in [0, 15], two
     per byte (`pack_nibbles`); scales and zeros have one column per group, in `dtype`."""
@@ -135,10 +137,39 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tens
     """The float32 weight that a quantized one (from `quantize_int8`, or with `zeros` `quantize_int4`) stands for."""
     if zeros is None:
         return q.float() * scales.float()[:, None]
-    q = unpack_nibbles(q)
-    group_size = q.shape[1] // scales.shape[1]
-    expand = lambda t: t.float().repeat_interleave(group_size, dim=1)  # noqa: E731
-    return (q.float() - 8) * expand(scales) + expand(zeros)
+    rows, groups = scales.shape
+    q = unpack_nibbles(q).view(rows, groups, -1)  # a group's values along the last dimension
+    return ((q.float() - 8) * scales.float()[..., None] + zeros.float()[..., None]).view(rows, -1)
+
+
+# Products on CUDA that torch.compile builds from the widening and the product together (one compiled graph per
+# weight shape and row count; `compiled_on_cuda` lets there be many).
+CUDA_COMPILE_OPTIONS = {
+    # One row times a weight becomes a reduction that reads the weight once, with its block sizes searched: inductor
+    # writes it so only with this option on, and the int8 weight is then widened inside it.
+    "coordinate_descent_tuning": True,
+}
+COMPILED_SHAPES = 256  # the compiled graphs one product may hold (torch.compile's default is 8)
+
+
+def widened_int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, q.to(x.dtype)) * scales
+
+
+def dequantized_int4_weight(nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """`dequantize`'s weight, in `scales`' dtype."""
+    return dequantize(nibbles, scales, zeros).to(scales.dtype)
+
+
+compiled_products = {}
+
+
+def compiled_on_cuda(fn, *args: torch.Tensor) -> torch.Tensor:
+    """`fn(*args)`, compiled by torch.compile for the shapes of `args` (the first call for a shape compiles)."""
+    if fn not in compiled_products:
+        compiled_products[fn] = torch.compile(fn, dynamic=False, options=CUDA_COMPILE_OPTIONS)
+    with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES):
+        return compiled_products[fn](*args)
 
 
 def max_over_model_parallel_group(x: torch.Tensor) -> torch.Tensor:
@@ -150,60 +181,120 @@ def max_over_model_parallel_group(x: torch.Tensor) -> torch.Tensor:
 
 
 class QuantizedLinear(ParallelLinear):
+    """A linear layer with quantized weights, with one or more ways to compute its product (`products`).
+
+    On the CPU each scheme has one kernel. On a GPU the runtime measures the products at load
+    (`llama.runtime.choose_quantized_kernels`) and sets `kernels`: (most rows, product name) pairs by increasing
+    row count; a product of more rows than the last pair's runs the last pair's product."""
+
+    DEFAULT_PRODUCT = ""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__(layer)
+        self.kernels: Tuple[Tuple[int, str], ...] = ()
+
     def unpack(self) -> nn.Module:
         raise ValueError("A quantized layer has no fairscale form: its weight is no longer in floating point")
 
+    def products(self, rows: int) -> dict:
+        """Name to product (a function of the input) of each way to compute a product of `rows` rows on a GPU."""
+        raise NotImplementedError
+
+    def kernel_for(self, rows: int) -> str:
+        for most_rows, name in self.kernels:
+            if rows <= most_rows:
+                return name
+        return self.kernels[-1][1] if self.kernels else self.DEFAULT_PRODUCT
+
+    def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The chosen product for `x`'s row count (within a compiled step, the default one: it fuses there)."""
+        if torch.compiler.is_compiling():
+            return self.products(0)[self.DEFAULT_PRODUCT](x)
+        rows = x.numel() // x.shape[-1]
+        return self.products(rows)[self.kernel_for(rows)](x)
+
 
 class Int8Linear(QuantizedLinear):
-    """A fairscale linear layer with an int8 weight (`weight`, `scales`) in place of its float one."""
+    """A fairscale linear layer with an int8 weight (`weight`, `scales`) in place of its float one.
+
+    Products off the CPU: "int8", PyTorch's int8 kernel; "widened", the weight widened to the activations' dtype
+    inside `F.linear` (the default, and what a compiled step fuses into one pass); "fused", that product compiled on
+    its own, for one row, where torch.compile reads each int8 weight once."""
+
+    DEFAULT_PRODUCT = "widened"
 
     def __init__(self, layer: nn.Module, q: torch.Tensor, scales: torch.Tensor):
         super().__init__(layer)
         del self.weight
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales)
-        # Off the CPU, the most rows for which PyTorch's int8 kernel runs the product; beyond them the weight is
-        # widened to the activations' dtype inside it. The runtime's `choose_int8_kernels` sets it by timing both.
-        self.int8_kernel_rows = 0
+        self.out_features, self.in_features = q.shape  # this process's slice
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if x.device.type == "cpu" or (rows <= self.int8_kernel_rows and not torch.compiler.is_compiling()):
-            return self.int8_product(x)
-        # Widened inside the product: torch.compile fuses the two into one pass over the int8 weight.
-        return self.widened_product(x)
+        return self.int8_product(x) if x.device.type == "cpu" else self.gpu_matmul(x)
+
+    def products(self, rows: int) -> dict:
+        products = {"int8": self.int8_product, "widened": self.widened_product}
+        if rows == 1:  # compiled for one row count only: a graph for each would be compiled at its first use
+            products["fused"] = self.fused_product
+        return products
 
     def int8_product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         return torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales).view(*x.shape[:-1], -1)
 
     def widened_product(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype)) * self.scales
+        return widened_int8_product(x, self.weight, self.scales)
+
+    def fused_product(self, x: torch.Tensor) -> torch.Tensor:
+        return compiled_on_cuda(widened_int8_product, x, self.weight, self.scales)
 
 
 class Int4Linear(QuantizedLinear):
     """A fairscale linear layer with an int4 weight, held in the layout of PyTorch's int4 kernel for its device
-    (`weight`, `scales_and_zeros`): a runtime form, not a file format (docs/quantize.md)."""
+    (`weight`, `scales_and_zeros`): a runtime form, not a file format (docs/quantize.md).
+
+    Products off the CPU: "tinygemm", PyTorch's int4 kernel (the default), made for a few rows; "dequantized", the
+    weight widened to the activations' dtype by one compiled kernel, then `F.linear`: for a prompt's rows, a
+    product at the GPU's speed is worth one pass over the weight. It reads the values as quantized (`nibbles`,
+    `group_scales`, `group_zeros`), which a GPU layer holds until the runtime's measurement finds whether any row
+    count needs them (`drop_unused_copies`)."""
+
+    DEFAULT_PRODUCT = "tinygemm"
 
     def __init__(self, layer: nn.Module, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
         """`nibbles`: the values q in [0, 15], two per byte (`pack_nibbles`); `scales`, `zeros`: one column per
         group."""
         super().__init__(layer)
         del self.weight
-        self.group_size = nibbles.shape[1] * 2 // scales.shape[1]
+        in_features = nibbles.shape[1] * 2
+        self.group_size = in_features // scales.shape[1]
         if nibbles.device.type == "cpu":
             # Converted a block of rows at a time (the same bytes as all at once), to bound the int32 temporary.
             blocks = nibbles.split(chunk_rows(nibbles.shape[1] * 2))
             convert = torch.ops.aten._convert_weight_to_int4pack_for_cpu
             packed = torch.cat([convert(unpack_nibbles(block).to(torch.int32), 2) for block in blocks])
         else:  # the CUDA kernel takes the even input of each pair in the high nibble
-            packed = torch.ops.aten._convert_weight_to_int4pack(nibbles << 4 | nibbles >> 4, 8)
+            packed = torch.ops.aten._convert_weight_to_int4pack(nibbles << 4 | nibbles >> 4, inner_k_tiles(in_features))
+            # Not saved with the model: the checkpoint's own form, kept for the "dequantized" product.
+            self.register_buffer("nibbles", nibbles, persistent=False)
+            self.register_buffer("group_scales", scales, persistent=False)
+            self.register_buffer("group_zeros", zeros, persistent=False)
         self.register_buffer("weight", packed)
         # (groups, out_features, 2): each group's scale and zero, for every output channel
         self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).contiguous())
-        self.out_features = nibbles.shape[0]
+        self.out_features, self.in_features = nibbles.shape[0], nibbles.shape[1] * 2  # this process's slice
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.int4_product(x) if x.device.type == "cpu" else self.gpu_matmul(x)
+
+    def products(self, rows: int) -> dict:
+        products = {"tinygemm": self.int4_product}
+        if hasattr(self, "nibbles"):
+            products["dequantized"] = self.dequantized_product
+        return products
+
+    def int4_product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         scales_and_zeros = self.scales_and_zeros.to(x.dtype)
         if x.device.type == "cpu":
@@ -211,6 +302,22 @@ class Int4Linear(QuantizedLinear):
         else:
             y = torch.ops.aten._weight_int4pack_mm(rows, self.weight, self.group_size, scales_and_zeros)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
+        weight = compiled_on_cuda(dequantized_int4_weight, self.nibbles, self.group_scales, self.group_zeros)
+        return F.linear(x, weight.to(x.dtype))
+
+    def drop_unused_copies(self) -> None:
+        """Free the quantized values' own copy when no chosen product reads it."""
+        if hasattr(self, "nibbles") and all(name != "dequantized" for _, name in self.kernels):
+            del self.nibbles, self.group_scales, self.group_zeros
+
+
+def inner_k_tiles(in_features: int) -> int:
+    """The CUDA int4 kernel's tiling of the inputs: the most tiles of 16 inputs (8, 4 or 2) that divide
+    `in_features` evenly (Llama 3 8B's 4096 takes 8; SmolLM2's 576 only 4). Every int4 width, a multiple of 32,
+    takes 2."""
+    return next(tiles for tiles in (8, 4, 2) if in_features % (16 * tiles) == 0)
 
 
 def int4_group_for(

@@ -20,6 +20,7 @@ from llama.quantize import (
     Int4Linear,
     Int8Linear,
     dequantize,
+    inner_k_tiles,
     quantize_int4,
     quantize_int8,
     quantize_layer,
@@ -95,6 +96,22 @@ def test_quantized_layer_computes_with_the_dequantized_weight(
     assert out.shape == (2, 3, rows)
     torch.testing.assert_close(out, x @ expected_weight.t(), atol=1e-4, rtol=1e-4)
     assert (out - x @ weight.t()).abs().max() > 0  # quantized, not the float weight
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantizing_a_weight_that_requires_grad_keeps_no_autograd_history(process_group, scheme):
+    """Meta's model as built has weights that require grad; quantizing one block of rows at a time must not keep
+    every block's float32 copy alive through autograd (on an 8B model, more memory than a GPU has)."""
+    layer = fairscale_layer(ColumnParallelLinear, 256, 64, random_weight(64, 256))
+    assert layer.weight.requires_grad
+    quantized = quantize_layer(layer, scheme)
+    assert all(not t.requires_grad and t.grad_fn is None for t in quantized.buffers())
+
+
+@pytest.mark.parametrize("width, tiles", [(4096, 8), (14336, 8), (576, 4), (96, 2), (32, 2)])
+def test_cuda_int4_tiling_fits_every_int4_width(width, tiles):
+    assert inner_k_tiles(width) == tiles
+    assert width % (16 * inner_k_tiles(width)) == 0
 
 
 def tiny_reader(tmp_path, seed: int = 3):

@@ -2,15 +2,15 @@
 the modules it runs on. `for_runtime` applies it, in named steps, once per `Llama.build`; docs/internals.md walks
 them. One concern a module: `attention` (`RuntimeAttention`: fused projections, the fixed-shape step's and the
 engine's cache writes, a faster kernel for one new position), `transformer` (`RuntimeTransformer`: the last
-position only, cache rows, `decode_step`) and `steps` (`for_runtime` and each of its steps).
+position only, cache rows, `decode_step`), `quantized_kernels` (a GPU's quantized products, timed) and `steps`
+(`for_runtime` and each of its steps).
 """
 
 from llama.runtime.attention import RuntimeAttention, apply_rotary_emb_per_row, write_at_positions, write_rows
+from llama.runtime.quantized_kernels import choose_quantized_kernels, fastest
 from llama.runtime.steps import (
     choose_cpu_kernels,
-    choose_int8_kernels,
     compiled_decode_step,
-    fastest,
     for_runtime,
     quantize_model,
     replace_layers,
@@ -29,7 +29,7 @@ __all__ = [
     "RuntimeTransformer",
     "apply_rotary_emb_per_row",
     "choose_cpu_kernels",
-    "choose_int8_kernels",
+    "choose_quantized_kernels",
     "compiled_decode_step",
     "fastest",
     "for_runtime",

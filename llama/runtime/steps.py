@@ -23,9 +23,9 @@ from llama.cuda_graphs import CUDAGraphDecodeStep
 from llama.model import Transformer
 from llama.parallel_layers import InferenceLayer, ParallelEmbedding, ParallelLinear
 from llama.progress import AnnouncedCompiles
-from llama.quantize import Int8Linear, check_device, check_group_size, check_scheme, is_quantized, quantize_layer
+from llama.quantize import check_device, check_group_size, check_scheme, is_quantized, quantize_layer
+from llama.runtime.quantized_kernels import choose_quantized_kernels
 from llama.runtime.transformer import DecodeStep, RuntimeTransformer
-from llama.timing import median_seconds
 
 LINEAR = (ColumnParallelLinear, RowParallelLinear)
 
@@ -45,7 +45,7 @@ def for_runtime(
     3. `choose_cpu_kernels`: each product's kernels measured (or read from the cache), and the float16 copies made.
     4. `use_parallel_layers`: every fairscale layer left (all of them off the CPU) becomes `ParallelLinear` or
        `ParallelEmbedding`: the collectives called directly and skipped in one process, traceable by torch.compile.
-    5. `choose_int8_kernels`: on a GPU, the faster of two int8 products for each shape, timed.
+    5. `choose_quantized_kernels`: on a GPU, each quantized weight's fastest product at each row count, timed.
     6. The decode step: compiled with torch.compile if asked (`compiled_decode_step`), else on one CUDA GPU
        replayed as CUDA graphs where `cuda_graphs` (`use_cuda_graphs`, `CUDAGraphDecodeStep`).
     """
@@ -59,7 +59,7 @@ def for_runtime(
     if on_cpu_kernels:
         choose_cpu_kernels(runtime, copies)
     use_parallel_layers(runtime)
-    choose_int8_kernels(runtime)
+    choose_quantized_kernels(runtime)
     if compile:
         return runtime, AnnouncedCompiles(compiled_decode_step(runtime))
     if use_cuda_graphs(runtime.tok_embeddings.weight.device, model_parallel_size, cuda_graphs):
@@ -110,54 +110,14 @@ def choose_cpu_kernels(model: nn.Module, copies: bool) -> None:
     make_fp16_copies(model)
 
 
-# Row counts at which `choose_int8_kernels` times the two int8 products: a decode step's, a batch's, a prompt's.
-TIMED_ROWS = (1, 8, 256)
-
-
-def choose_int8_kernels(model: nn.Module, repeats: int = 20) -> dict:
-    """Step 5: on a GPU, time each int8 weight shape's product both ways (PyTorch's int8 kernel, and the weight
-    widened inside `F.linear`) at each of `TIMED_ROWS`, and run eager products of up to the most rows at which the
-    int8 kernel was faster (and at every smaller count timed) on it; returns that row count per (out, in) shape.
-
-    The two give the same products up to the order of float32 sums. Their speed depends on the GPU and on the
-    PyTorch build, so it is measured rather than assumed. Compiled steps always widen: torch.compile fuses it.
-    """
-    choices = {}
-    for layer in model.modules():
-        if not isinstance(layer, Int8Linear) or layer.weight.device.type == "cpu":
-            continue
-        shape = tuple(layer.weight.shape)
-        if shape not in choices:
-            choices[shape] = 0
-            for rows in TIMED_ROWS:
-                x = torch.randn(rows, shape[1], device=layer.weight.device, dtype=layer.scales.dtype)
-                products = {"int8": layer.int8_product, "widened": layer.widened_product}
-                if fastest(products, x, repeats) != "int8":
-                    break
-                choices[shape] = rows
-        layer.int8_kernel_rows = choices[shape]
-    return choices
-
-
-def fastest(products: dict, x: torch.Tensor, repeats: int) -> str:
-    """The name of the product that runs `x` fastest (`median_seconds`); one that raises (no such kernel on this
-    device or build) is out of the running."""
-    times = {}
-    for name, product in products.items():
-        try:
-            times[name] = median_seconds(lambda product=product: product(x), repeats, x.device)
-        except (RuntimeError, NotImplementedError):
-            continue
-    return min(times, key=times.get)
-
-
 def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = None) -> nn.Module:
     """Quantize every linear layer of a `Transformer` and its output head, in place; return the model.
 
     Works on a model built as Meta's code builds it (fairscale's layers, weights loaded) and on one whose layers
     the runtime replaced. With several model-parallel processes, call it in all of them: each quantizes its own
-    slice. On a GPU, the int8 layers' products are then timed (`choose_int8_kernels`). (`Llama.build(quantize=...)`
-    quantizes each layer as it loads instead, so that the whole model is never held unquantized.)
+    slice. On a GPU, the quantized layers' products are then timed (`choose_quantized_kernels`).
+    (`Llama.build(quantize=...)` quantizes each layer as it loads instead, so that the whole model is never held
+    unquantized.)
 
     Args:
         model: The Transformer, with its weights.
@@ -179,7 +139,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
         (*LINEAR, ParallelLinear),
         lambda layer: layer if is_quantized(layer) else quantize_layer(layer, scheme, group_size),
     )
-    choose_int8_kernels(model)
+    choose_quantized_kernels(model)
     return model
 
 

@@ -1,0 +1,78 @@
+"""Step 5 of `for_runtime`: on a GPU, each quantized weight's product chosen by timing every way to compute it
+(`QuantizedLinear.products`) at the row counts that matter: a decode step's, a batch's, a prompt's.
+
+Which one is fastest depends on the GPU, the PyTorch build and the weight's shape (on an H100 with PyTorch 2.11,
+PyTorch's int8 kernel was the slowest at every row count, and tinygemm lost to a widened weight beyond a few rows:
+docs/cuda.md), so it is measured, not assumed. The products give the same values up to the order of float32 sums
+and where the widened weight is rounded.
+"""
+
+import statistics
+from typing import Callable, Dict, Tuple
+
+import torch
+from torch import nn
+
+from llama.cuda_graphs import record
+from llama.quantize import Int4Linear, QuantizedLinear
+from llama.timing import median_seconds
+
+# Row counts at which each product is timed: a decode step of one sequence (the only count at which the "fused"
+# int8 product is compiled), a batch's step, a short prompt, a long one.
+TIMED_ROWS = (1, 8, 64, 512)
+GRAPH_CALLS = 10  # products per timed CUDA graph replay
+
+
+def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Tuple[Tuple[int, str], ...]]:
+    """Step 5: set each GPU-held quantized layer's `kernels`, timed once per (type, weight shape); free the int4
+    weights' second copies no chosen product reads. Returns the choices by (type name, out, in)."""
+    choices = {}
+    for layer in model.modules():
+        if not isinstance(layer, QuantizedLinear) or layer.weight.device.type == "cpu":
+            continue
+        key = (type(layer).__name__, layer.out_features, layer.in_features)
+        if key not in choices:
+            choices[key] = tuple((rows, fastest_product(layer, rows)) for rows in TIMED_ROWS)
+        layer.kernels = choices[key]
+        if isinstance(layer, Int4Linear):
+            layer.drop_unused_copies()
+    return choices
+
+
+def fastest_product(layer: QuantizedLinear, rows: int) -> str:
+    dtype = layer.scales_and_zeros.dtype if isinstance(layer, Int4Linear) else layer.scales.dtype
+    x = torch.randn(rows, layer.in_features, device=layer.weight.device, dtype=dtype)
+    return fastest(layer.products(rows), x, repeats=3)
+
+
+def fastest(products: Dict[str, Callable], x: torch.Tensor, repeats: int = 5) -> str:
+    """The name of the product that runs `x` fastest; one that raises (no such kernel on this device or build) is
+    out of the running. On CUDA each is timed as a recorded CUDA graph (`gpu_seconds`), as a decode step runs."""
+    times = {}
+    for name, product in products.items():
+        call = lambda product=product: product(x)  # noqa: E731
+        try:
+            if x.is_cuda:
+                times[name] = gpu_seconds(call, repeats)
+            else:
+                times[name] = median_seconds(call, repeats, x.device)
+        except (RuntimeError, NotImplementedError):
+            continue
+    if not times:
+        raise ValueError(f"None of the products {sorted(products)} runs on {x.device}")
+    return min(times, key=times.get)
+
+
+def gpu_seconds(call: Callable[[], object], repeats: int) -> float:
+    """Seconds per `call()`, as the GPU runs it: `GRAPH_CALLS` calls recorded as one CUDA graph (so that Python's
+    time to launch them is left out, as in a recorded decode step), the median of `repeats` replays."""
+    graph, _ = record(lambda: [call() for _ in range(GRAPH_CALLS)], None)
+    seconds = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1000 / GRAPH_CALLS)
+    return statistics.median(seconds)

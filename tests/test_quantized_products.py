@@ -1,0 +1,125 @@
+"""A quantized layer's ways to compute its product on a GPU (`QuantizedLinear.products`), the one chosen for each
+row count (`kernels`), and the runtime's timed choice (`llama.runtime.choose_quantized_kernels`).
+
+Every product must compute the dequantized weight's product, whichever the timing picks: the CPU runs them all
+(PyTorch's int8 kernel, the widened weight, the compiled "fused" product, the compiled int4 widening); the GPU
+tests run the timing itself and the CUDA graphs over the chosen products.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fairscale.nn.model_parallel.layers import ColumnParallelLinear
+from helpers import GQA_PARAMS
+
+from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
+from llama.demo import random_weights
+from llama.quantize import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    dequantize,
+    dequantized_int4_weight,
+    quantize_int4,
+    quantize_layer,
+)
+from llama.runtime import fastest, for_runtime, quantize_model
+from llama.runtime.quantized_kernels import TIMED_ROWS
+
+
+def int8_layer(rows: int = 96, cols: int = 128) -> Int8Linear:
+    layer = ColumnParallelLinear(cols, rows, bias=False, gather_output=False, init_method=lambda x: x)
+    layer.weight.data.copy_(torch.randn(rows, cols, generator=torch.Generator().manual_seed(5)) * 0.05)
+    return quantize_layer(layer, "int8")
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_every_int8_product_computes_the_dequantized_weights_product(process_group, rows):
+    layer = int8_layer()
+    expected_weight = dequantize(layer.weight, layer.scales)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+    expected = x @ expected_weight.t()
+    names = set(layer.products(rows))
+    assert names == ({"int8", "widened", "fused"} if rows == 1 else {"int8", "widened"})
+    with torch.inference_mode():  # as decoding runs them
+        for name, product in layer.products(rows).items():
+            torch.testing.assert_close(product(x), expected, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_each_row_count_runs_the_product_chosen_for_it(process_group):
+    layer = int8_layer()
+    assert layer.kernel_for(1) == layer.kernel_for(4096) == "widened"  # unmeasured: the default
+    layer.kernels = ((1, "fused"), (8, "int8"), (64, "widened"))
+    chosen = [layer.kernel_for(rows) for rows in (1, 2, 8, 9, 64, 5000)]
+    assert chosen == ["fused", "int8", "int8", "widened", "widened", "widened"]
+    ran = []
+    for name in ("fused", "int8", "widened"):
+        setattr(layer, f"{name}_product", lambda x, name=name: ran.append(name) or x[..., :96])
+    for rows in (1, 3, 100):
+        layer.gpu_matmul(torch.zeros(rows, 128))
+    assert ran == ["fused", "int8", "widened"]
+
+
+def test_int4_widening_is_the_dequantized_weight_in_the_activations_dtype():
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    assert dequantized_int4_weight(*quantize_int4(weight, 64, torch.bfloat16)).dtype == torch.bfloat16
+    # the values the int4 kernel computes with
+    layer = ColumnParallelLinear(256, 64, bias=False, gather_output=False, init_method=lambda x: x)
+    layer.weight.data.copy_(weight)
+    int4 = Int4Linear(layer, *quantize_int4(weight, 64, torch.float32))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    expected = F.linear(x, dequantized_int4_weight(*quantize_int4(weight, 64, torch.float32)))
+    torch.testing.assert_close(int4(x), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_no_runnable_product_is_a_clear_error():
+    def missing(x):
+        raise NotImplementedError("no kernel for this device")
+
+    with pytest.raises(ValueError, match="None of the products"):
+        fastest({"a": missing, "b": missing}, torch.ones(1, 4), repeats=1)
+
+
+def quantized_cuda_model(tmp_path, scheme: str, max_batch_size: int = 2):
+    write_meta_checkpoint(tmp_path / "ckpt", GQA_PARAMS, random_weights(GQA_PARAMS, seed=31))
+    reader = open_checkpoint(tmp_path / "ckpt")
+    args = model_args_from(reader.params, max_seq_len=32, max_batch_size=max_batch_size)[0]
+    reference = load_model(reader, args, 0, 1, torch.device("cuda"), torch.bfloat16)
+    return for_runtime(quantize_model(reference, scheme), cuda_graphs=True)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_gpu_chooses_a_product_per_row_count_and_each_gives_the_dequantized_logits(process_group, tmp_path, scheme):
+    model, _ = quantized_cuda_model(tmp_path, scheme)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(tuple(rows for rows, _ in m.kernels) == TIMED_ROWS for m in layers)
+    for layer in layers:
+        chosen = {name for _, name in layer.kernels}
+        assert chosen <= set(layer.products(1)) | set(layer.products(512))
+        if isinstance(layer, Int4Linear):  # the second copy stays only where a chosen product reads it
+            assert hasattr(layer, "nibbles") == ("dequantized" in chosen)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(4)).cuda()
+    with torch.inference_mode():
+        chosen_logits = model(tokens, 0).float()
+        for layer in layers:
+            layer.kernels = ()  # every product the default one
+        default_logits = model(tokens, 0).float()
+    assert (chosen_logits - default_logits).abs().max() < 0.05 * default_logits.abs().max()
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_graphs_replay_the_chosen_quantized_products_bit_for_bit(process_group, tmp_path, scheme):
+    model, step = quantized_cuda_model(tmp_path, scheme)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(6)).cuda()
+    with torch.inference_mode():
+        model(tokens[:, :8], 0)
+        position = torch.tensor([8], device="cuda")
+        eager = model.decode_step(tokens[:, 8:9], position)
+        model(tokens[:, :8], 0)  # the same cache again
+        assert torch.equal(step(tokens[:, 8:9], position), eager)
