@@ -541,12 +541,23 @@ def measured_products(monkeypatch) -> list:
     measured = []
     measure = llama.cpu.measure
 
-    def counting(jobs, flush):
+    def counting(jobs, flush, *rounds):
         measured.extend((job.name, job.rows) for job in jobs)
-        return measure(jobs, flush)
+        return measure(jobs, flush, *rounds)
 
     patch_cpu(monkeypatch, "measure", counting)
     return measured
+
+
+def steady_timings(monkeypatch) -> None:
+    """Every measurement from now on finds the same figures, each kernel its own (on a shared CI machine, real
+    timings of a tiny model's products can differ by more than the cache's re-check allows)."""
+    fake = {"fp16": 3e-9, "onednn": 2e-9, "mv": 2.5e-9, "linear": 4e-9}
+    patch_cpu(
+        monkeypatch,
+        "time_kernels",
+        lambda runs, _, rounds=5: [{k: [fake[k]] * rounds for k in calls} for calls in runs],
+    )
 
 
 def chosen_kernels(model) -> list:
@@ -559,6 +570,7 @@ def test_kernels_are_measured_once_then_taken_from_the_cache(process_group, tmp_
     an environment variable, measure again. Each choice is logged."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     measured = measured_products(monkeypatch)
+    steady_timings(monkeypatch)
     weights = random_weights(GQA_PARAMS, seed=12)
     with caplog.at_level(logging.INFO, logger="llama.cpu"):
         first = load_tiny(tmp_path / "first", weights, torch.bfloat16)
@@ -571,8 +583,13 @@ def test_kernels_are_measured_once_then_taken_from_the_cache(process_group, tmp_
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="llama.cpu"):
         second = load_tiny(tmp_path / "second", weights, torch.bfloat16)
-    assert measured == [] and chosen_kernels(second) == chosen_kernels(first)
+    # only the re-check of the cache: the largest product (the head), one row; it held, so the next load re-checks
+    # no more
+    assert measured == [("bfloat16 512x64", 1)] and chosen_kernels(second) == chosen_kernels(first)
     assert "kernels.json: " in caplog.text
+    measured.clear()
+    load_tiny(tmp_path / "third", weights, torch.bfloat16)
+    assert measured == []
 
     monkeypatch.setattr(torch, "__version__", "9.9.9")
     load_tiny(tmp_path / "new torch", weights, torch.bfloat16)
@@ -602,11 +619,12 @@ def test_a_damaged_cache_file_is_measured_again_and_rewritten(process_group, tmp
     path.parent.mkdir(parents=True)
     path.write_bytes(damage.encode("utf-8", "surrogateescape"))
     measured = measured_products(monkeypatch)
+    steady_timings(monkeypatch)
     load_tiny(tmp_path / "first", random_weights(GQA_PARAMS, seed=12), torch.float32)
     assert len(measured) == 5 * 3
     measured.clear()
     load_tiny(tmp_path / "second", random_weights(GQA_PARAMS, seed=12), torch.float32)
-    assert measured == []  # the file was rewritten, whole
+    assert measured == [("float32 512x64", 1)]  # the file was rewritten, whole: only its re-check is measured
 
 
 def test_the_fastest_candidate_is_chosen(process_group, tmp_path, monkeypatch):
@@ -630,6 +648,78 @@ def test_one_lucky_round_does_not_choose_a_kernel(process_group, tmp_path, monke
     assert all(set(kernels.values()) == {"onednn"} for kernels in chosen_kernels(model))
 
 
+def timings_of(rounds_by_kernel: dict):
+    """A `time_kernels` that finds `rounds_by_kernel[kernel]` for each kernel of every product (a list of rounds, or
+    one figure for every round)."""
+
+    def rounds_of(kernel, rounds):
+        found = rounds_by_kernel[kernel]
+        return list(found) if isinstance(found, list) else [found] * rounds
+
+    return lambda runs, _, rounds=5: [{k: rounds_of(k, rounds) for k in calls} for calls in runs]
+
+
+def test_a_measurement_on_a_busy_machine_is_not_cached(process_group, tmp_path, monkeypatch, caplog):
+    """Rounds that disagree (another program took the cores for part of them) are timed again; where they still
+    disagree, the figures serve this load, a warning says so, and nothing is cached: the next (quiet) load measures
+    afresh and caches. Where the second timing agrees, it is cached."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    measured = measured_products(monkeypatch)
+    busy = {"onednn": [1e-9, 1e-9, 5e-9, 5e-9, 5e-9], "fp16": 3e-9, "mv": 2.5e-9, "linear": 4e-9}  # busy from round 3
+    quiet = {**busy, "onednn": 1e-9}
+    patch_cpu(monkeypatch, "time_kernels", timings_of(busy))
+    weights = random_weights(GQA_PARAMS, seed=12)
+    with caplog.at_level(logging.WARNING, logger="llama.cpu"):
+        load_tiny(tmp_path / "busy", weights, torch.float32)
+    assert "The CPU was busy while its kernels were measured" in caplog.text
+    assert not (tmp_path / "cache" / "llama3" / "kernels.json").exists()
+
+    measured.clear()
+    patch_cpu(monkeypatch, "time_kernels", timings_of(quiet))
+    model = load_tiny(tmp_path / "quiet", weights, torch.float32)
+    assert len(measured) == 5 * 3  # measured afresh
+    assert all(set(kernels.values()) == {"onednn"} for kernels in chosen_kernels(model))
+
+    timings = []  # busy in every first timing of a row count only: the second timing is cached
+
+    def busy_spells(runs, flush, rounds=5):
+        timings.append(rounds)
+        return timings_of(busy if len(timings) % 2 else quiet)(runs, flush, rounds)
+
+    monkeypatch.setattr(torch, "__version__", "a busy spell")
+    patch_cpu(monkeypatch, "time_kernels", busy_spells)
+    load_tiny(tmp_path / "spell", weights, torch.float32)
+    assert "a busy spell" in (tmp_path / "cache" / "llama3" / "kernels.json").read_text()
+
+
+def test_a_cache_measured_on_a_busier_machine_is_measured_again(process_group, tmp_path, monkeypatch, caplog):
+    """The issue's case: a first load measured while another program held the cores, slowing one kernel (here
+    oneDNN, 9x) steadily, so its rounds agreed and were cached. A later load on a quiet machine re-checks the
+    largest product's kernels, finds the cached choice no longer the fastest, measures every product again and
+    runs on the fastest; the load after that finds the cache holds."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    measured = measured_products(monkeypatch)
+    weights = random_weights(GQA_PARAMS, seed=12)
+    patch_cpu(monkeypatch, "time_kernels", timings_of({"onednn": 9e-9, "fp16": 3e-9, "mv": 2.5e-9, "linear": 4e-9}))
+    busy = load_tiny(tmp_path / "busy", weights, torch.float32)
+    assert all(kernels[1] == "mv" for kernels in chosen_kernels(busy))  # one row: mv, where oneDNN is fastest
+
+    measured.clear()
+    patch_cpu(monkeypatch, "time_kernels", timings_of({"onednn": 1e-9, "fp16": 3e-9, "mv": 2.5e-9, "linear": 4e-9}))
+    with caplog.at_level(logging.INFO, logger="llama.cpu"):
+        quiet = load_tiny(tmp_path / "quiet", weights, torch.float32)
+    assert "no longer hold" in caplog.text
+    assert len(measured) == 1 + 5 * 3  # the re-check, then every product
+    assert all(kernels[1] == "onednn" for kernels in chosen_kernels(quiet))
+
+    measured.clear()
+    again = load_tiny(tmp_path / "again", weights, torch.float32)
+    assert len(measured) == 1 and chosen_kernels(again) == chosen_kernels(quiet)  # re-checked: it holds
+    measured.clear()
+    load_tiny(tmp_path / "and again", weights, torch.float32)
+    assert measured == []
+
+
 def test_a_float16_copy_is_made_only_where_it_repays_its_making_within_a_full_context(
     process_group, tmp_path, monkeypatch, caplog
 ):
@@ -651,7 +741,7 @@ def test_a_float16_copy_is_made_only_where_it_repays_its_making_within_a_full_co
         return found
 
     measured = []
-    patch_cpu(monkeypatch, "measure", lambda jobs, flush: measured.extend(jobs) or fake_measure(jobs, flush))
+    patch_cpu(monkeypatch, "measure", lambda jobs, flush, *_: measured.extend(jobs) or fake_measure(jobs, flush))
     weights = random_weights(GQA_PARAMS, seed=12)
     with caplog.at_level(logging.INFO, logger="llama.cpu"):
         short = load_tiny(tmp_path / "short", weights, torch.bfloat16, max_seq_len=32)
@@ -663,7 +753,7 @@ def test_a_float16_copy_is_made_only_where_it_repays_its_making_within_a_full_co
 
     measured.clear()
     long = load_tiny(tmp_path / "long", weights, torch.bfloat16, max_seq_len=20 * llama.cpu.PROMPT_ROWS)
-    assert measured == []
+    assert [job.rows for job in measured] == [1]  # the cache's re-check only
     for layer in (m for m in long.modules() if isinstance(m, CPULinear)):
         assert layer.kernels == {**fastest_but_fp16(layer), 256: "fp16"}
         assert copy_holder(long, layer).packed["fp16"][1] is not None  # made at load

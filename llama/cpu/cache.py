@@ -82,6 +82,12 @@ class Measured:
     seconds: Dict[str, float]
     median: Dict[str, float]
     fp16_copy: Optional[float] = None
+    # Whether its rounds disagreed even when timed again (`llama.cpu.choice.NOISE`): a busy machine's figures, used
+    # for the load that measured them but never cached.
+    noisy: bool = False
+    # Whether a later load's re-check found these figures still hold (`llama.cpu.choice.cached_timings_stale`): then
+    # no load re-checks them again.
+    confirmed: bool = False
 
     def fastest(self, leave_out: str = "") -> str:
         """The kernel (but `leave_out`) of the shortest median round."""
@@ -104,6 +110,7 @@ class KernelCache:
         self.machine = f"{cpu_name()} [{flags}], torch {torch.__version__}, {torch.get_num_threads()} threads"
         self.entries = self.read()
         self.measured = {}
+        self.forgotten = set()
 
     def read(self) -> Dict[str, dict]:
         try:
@@ -126,7 +133,9 @@ class KernelCache:
     def valid(entry) -> bool:
         """Whether `entry` is what `put` writes: each kernel's fastest and median round (the same kernels), and
         perhaps the float16 copy's time, each a finite number of seconds."""
-        if not isinstance(entry, dict) or set(entry) - {"seconds", "median", "fp16_copy"}:
+        if not isinstance(entry, dict) or set(entry) - {"seconds", "median", "fp16_copy", "confirmed"}:
+            return False
+        if entry.get("confirmed", False) is not True and "confirmed" in entry:
             return False
         seconds, median = entry.get("seconds"), entry.get("median")
         if not (isinstance(seconds, dict) and isinstance(median, dict) and seconds):
@@ -140,22 +149,34 @@ class KernelCache:
 
     def get(self, key: str) -> Optional[Measured]:
         entry = self.entries.get(key)
-        return None if entry is None else Measured(entry["seconds"], entry["median"], entry.get("fp16_copy"))
+        if entry is None:
+            return None
+        return Measured(entry["seconds"], entry["median"], entry.get("fp16_copy"), confirmed="confirmed" in entry)
+
+    def forget(self, keys: List[str]) -> None:
+        """Drop `keys`' entries, which no longer hold on this machine: `save` writes what is measured in their place."""
+        for key in keys:
+            self.entries.pop(key, None)
+            self.measured.pop(key, None)
+        self.forgotten.update(keys)
 
     def put(self, key: str, measured: Measured) -> None:
         entry = {"seconds": measured.seconds, "median": measured.median}
         if measured.fp16_copy is not None:
             entry["fp16_copy"] = measured.fp16_copy
+        if measured.confirmed:
+            entry["confirmed"] = True
         self.entries[key] = self.measured[key] = entry
 
     def save(self) -> None:
         """Write what was measured since this cache was read, with what the file holds now (another process may
-        have added its own), replacing the file in one step."""
-        if not self.measured:
+        have added its own) but the forgotten entries, replacing the file in one step."""
+        if not self.measured and not self.forgotten:
             return
+        kept = {key: entry for key, entry in self.read().items() if key not in self.forgotten}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({"format": self.FORMAT, "measured": {**self.read(), **self.measured}}, indent=1)
+            text = json.dumps({"format": self.FORMAT, "measured": {**kept, **self.measured}}, indent=1)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as file:
                 file.write(text)
             os.replace(file.name, self.path)

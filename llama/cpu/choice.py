@@ -1,6 +1,7 @@
 """Which kernel runs each product, measured at load (`choose_kernels`; what measuring found is kept in a
 `KernelCache`), and what decides whether this CPU's kernels apply to a model at all."""
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -38,6 +39,17 @@ PROMPT_SAMPLE_VALUES = 2**20  # a prompt: fewer, since it is bound by arithmetic
 # rather than by a lucky fastest one (docs/speed.md); a float16 copy must lead the other kernels' fastest round.
 TIMED_ROUNDS = 5
 PROMPT_TIMED_ROUNDS = 2  # a prompt's calls are steadier, and each costs some 20 decode calls
+# The rounds disagree when a kernel's fastest round beats the best median round by more than this many times: the
+# machine was busy (another program took the cores for part of the measurement), and may have decided the choice.
+# Such timings are taken once more, and if they still disagree, used for this load only, never cached (docs/speed.md,
+# "A busy machine").
+NOISE = 1.3
+# At a load that finds its timings cached, the kernels of the largest one-row product are timed again (this many
+# rounds): if another now leads the cached choice, or the choice runs this many times faster than the cache says,
+# the cache was measured on a busier machine, and every product is measured again.
+RECHECK_ROUNDS = 3
+STALE = 1.5
+FLIPPED = 1.2  # by more than this: closer than that, either kernel serves
 
 
 def time_kernels(
@@ -100,6 +112,20 @@ def sample_copy(kernel: str, layers: List[CPULinear], max_values: int) -> Option
     return weight_sample(layers, max_values, KERNELS.index(kernel)) or [weight.clone() for weight in weights]
 
 
+class CacheFlush:
+    """Called before each round: reads a buffer the size of the last-level cache that no sample shares, allocated at
+    its first call. (Reading the model's weights instead would bring `F.linear`'s and `torch.mv`'s samples, rows of
+    those weights, into the cache wherever the model is smaller than it.)"""
+
+    def __init__(self):
+        self.buffer = None
+
+    def __call__(self) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.ones(last_level_cache_bytes() // 4)
+        return self.buffer.sum()
+
+
 @dataclass
 class Job:
     """One product at one row count, to be measured."""
@@ -128,11 +154,12 @@ def make_samples(jobs: List[Job]) -> Dict[tuple, tuple]:
         return dict(zip(wanted, pool.map(make, wanted.items())))
 
 
-def measure(jobs: List[Job], flush: Callable[[], object]) -> Dict[str, Measured]:
-    """What each job's candidate kernels take (`time_kernels`) on a sample of its product's weights
-    (`weight_sample`), each kernel on weights in memory of its own (`sample_copy`), keyed by the job's key. The
-    jobs of a row count are timed together; one row and the batch with the caches flushed before each round (as a
-    decode step meets its weights), a prompt, bound by arithmetic, without."""
+def measure(jobs: List[Job], flush: Callable[[], object], rounds: int = TIMED_ROUNDS) -> Dict[str, Measured]:
+    """What each job's candidate kernels take (`time_kernels`, in up to `rounds` rounds) on a sample of its
+    product's weights (`weight_sample`), each kernel on weights in memory of its own (`sample_copy`), keyed by the
+    job's key. The jobs of a row count are timed together; one row and the batch with the caches flushed before
+    each round (as a decode step meets its weights), a prompt, bound by arithmetic, without. Rounds that disagree
+    (`disagree`) are timed once more, and marked `noisy` if they still do."""
     samples = make_samples(jobs)
     found = {}
     for rows in sorted({job.rows for job in jobs}):
@@ -145,7 +172,10 @@ def measure(jobs: List[Job], flush: Callable[[], object]) -> Dict[str, Measured]
                 inputs[width] = x.to(job.layers[0].weight.dtype)
         runs = [kernel_calls(job, samples, inputs[job.layers[0].weight.shape[1]]) for job in group]
         decode = rows < PROMPT_ROWS
-        timings = time_kernels(runs, flush if decode else None, TIMED_ROUNDS if decode else PROMPT_TIMED_ROUNDS)
+        rounds = min(rounds, TIMED_ROUNDS if decode else PROMPT_TIMED_ROUNDS)
+        timings = time_kernels(runs, flush if decode else None, rounds)
+        if any(map(disagree, timings)):  # a busy spell: it rarely lasts through a second measurement
+            timings = time_kernels(runs, flush if decode else None, rounds)
         for job, seconds in zip(group, timings):
             values = sum(weight.numel() for weight in weight_sample(job.layers, job.sample_values))
             copy = samples.get((job.name, "fp16", job.sample_values), (None, 0.0))
@@ -153,8 +183,17 @@ def measure(jobs: List[Job], flush: Callable[[], object]) -> Dict[str, Measured]
                 {kernel: min(times) / values for kernel, times in seconds.items()},
                 {kernel: statistics.median(times) / values for kernel, times in seconds.items()},
                 copy[1] / values / torch.get_num_threads() if copy[0] is not None else None,
+                noisy=disagree(seconds),
             )
     return found
+
+
+def disagree(times: Dict[str, List[float]]) -> bool:
+    """Whether noise may have decided a product's choice: some kernel's fastest round beat the usual (median) round
+    of the kernel with the best median by more than `NOISE` times, as when another program slowed that kernel in
+    most rounds. A near tie, or steady rounds, are not noise that matters."""
+    usual = min(statistics.median(rounds) for rounds in times.values())
+    return any(NOISE * min(rounds) < usual for rounds in times.values())
 
 
 def kernel_calls(job: Job, samples: Dict[tuple, tuple], x: torch.Tensor) -> Dict[str, Callable[[], object]]:
@@ -210,7 +249,7 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> Dict[CP
     by_name = {}
     for layers in all_products:
         by_name.setdefault(product_name(layers), layers)
-    chosen, jobs, measured = {}, [], {}
+    chosen, jobs, measured, cached = {}, [], {}, []
     with torch.no_grad():
         for name, layers in by_name.items():
             fp16_holds = all(holds_bfloat16_values(layer.weight) for layer in layers)
@@ -223,20 +262,24 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> Dict[CP
                     chosen[name][rows] = kernel, f"pinned by {KERNEL_VARIABLE}={pinned}"
                 elif len(candidates) == 1:
                     chosen[name][rows] = candidates[0], "the only candidate"
-                elif (cached := cache.get(key)) is not None:
-                    measured[name, rows] = cached, f"from {cache.path}"
+                elif (hit := cache.get(key)) is not None:
+                    measured[name, rows] = hit, f"from {cache.path}"
+                    cached.append(Job(name, layers, rows, candidates, key))
                 else:
                     jobs.append(Job(name, layers, rows, candidates, key))
-        if jobs:
-            # Read before each round: a buffer the size of the last-level cache that no sample shares. (Reading the
-            # model's weights instead would bring `F.linear`'s and `torch.mv`'s samples, rows of those weights, into
-            # the cache wherever the model is smaller than it.)
-            flush = torch.ones(last_level_cache_bytes() // 4)
-            found = measure(jobs, flush.sum)
+        if jobs or cached:
+            flush = CacheFlush()
+            if cached and cached_timings_stale(cached, measured, flush, cache):
+                cache.forget([job.key for job in cached])
+                jobs += cached
+            if jobs:
+                found = measure(jobs, flush)
+                for job in jobs:
+                    if not found[job.key].noisy:
+                        cache.put(job.key, found[job.key])
+                    measured[job.name, job.rows] = found[job.key], "measured" + (", busy" * found[job.key].noisy)
+                warn_if_busy([job for job in jobs if found[job.key].noisy])
             del flush
-            for job in jobs:
-                cache.put(job.key, found[job.key])
-                measured[job.name, job.rows] = found[job.key], "measured"
     for name, layers in by_name.items():
         timings = {rows: m for (product, rows), (m, _) in measured.items() if product == name}
         for rows, kernel in kernels_for(timings, model.params.max_seq_len).items():
@@ -273,6 +316,55 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> Dict[CP
         for layers in all_products
         for layer in layers
     }
+
+
+def cached_timings_stale(
+    cached: List[Job], measured: Dict[tuple, tuple], flush: Callable[[], object], cache: KernelCache
+) -> bool:
+    """Whether the cached timings of `cached` (their `measured` entries) no longer hold here: the largest one-row
+    product's kernels, timed again (`RECHECK_ROUNDS`), put another kernel `FLIPPED` times ahead of the cached
+    choice, or run the cached choice `STALE` times faster than cached, so the cache was measured on a busier
+    machine. A re-check whose own rounds disagree (a busy machine now) cannot tell, and keeps the cache; one that
+    finds the figures hold marks them `confirmed`, and later loads re-check no more."""
+    one_row = [job for job in cached if job.rows == 1 and len(measured[job.name, 1][0].median) > 1]
+    if not one_row:
+        return False
+    job = max(one_row, key=lambda job: sum(layer.weight.numel() for layer in job.layers))
+    before = measured[job.name, 1][0]
+    if before.confirmed:
+        return False
+    now = measure([job], flush, RECHECK_ROUNDS)[job.key]
+    choice, fastest_now = before.fastest(), now.fastest()
+    if now.noisy or choice not in now.median:
+        return False  # busy now, or the cached choice cannot run: cannot tell
+    flipped = now.median[choice] > FLIPPED * now.median[fastest_now]
+    busier = before.median[choice] > STALE * now.median[choice]
+    if flipped or busier:
+        logger.info(
+            "The cached CPU kernel timings in %s no longer hold (%s, 1 row, ms per million weights: %s now %.3g, "
+            "cached %.3g; %s now %.3g): measuring every product again",
+            cache.path,
+            job.name,
+            choice,
+            now.median[choice] * 1e9,
+            before.median[choice] * 1e9,
+            fastest_now,
+            now.median[fastest_now] * 1e9,
+        )
+    elif not now.noisy:
+        cache.put(job.key, dataclasses.replace(before, confirmed=True))
+    return flipped or busier
+
+
+def warn_if_busy(noisy: List[Job]) -> None:
+    if noisy:
+        logger.warning(
+            "The CPU was busy while its kernels were measured (the rounds of %d of them disagreed by more than "
+            "%d%% even when timed again): chosen from those figures for this load, but not cached, so the next "
+            "load measures again",
+            len(noisy),
+            round((NOISE - 1) * 100),
+        )
 
 
 def cpu_kernels_apply(model: nn.Module) -> bool:
