@@ -20,12 +20,17 @@ the noise floor the quantized rows are judged against. For each row it measures:
   are token-identical to bfloat16's, and the first position where any differs;
 - the bytes of the linear layers' weights (the quantized ones: quantized values, scales and zeros) and seconds.
 
+Where llama_cpp is importable, llama.cpp's own Q8_0 and Q4_0 of the same file (requantized from its Q4_1 values by
+llama.cpp's quantizer) are measured on the same windows beside them (perplexity, top-1 agreement and KL divergence
+from our bfloat16; no greedy answers).
+
 Targets: int8 within 2% of bfloat16's perplexity with the same greedy answers; int4 within 10%.
 """
 
 import argparse
 import importlib.util
 import math
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -239,6 +244,65 @@ def evaluate(
     return result
 
 
+def llama_cpp_result(path: Path, kind: str, text_tokens: List[int], threads: int) -> Optional[dict]:
+    """llama.cpp's own quantization `kind` (Q8_0, Q4_0) of the GGUF file, requantized from its Q4_1 values by
+    llama.cpp's quantizer, and its next-token log-probabilities over the text in the same windows; None where
+    llama_cpp is not importable."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+
+    start = time.time()
+    out = Path(tempfile.gettempdir()) / f"{path.stem}.{kind}.gguf"
+    if not out.exists():
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+        params.allow_requantize = True
+        if llama_cpp.llama_model_quantize(str(path).encode(), str(out).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not quantize {path} to {kind}")
+    llama_cpp.llama_backend_init()
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.use_extra_bufts = False  # its repacked (AMX) buffers crash quantized files on some CPUs (bench.py)
+    model = llama_cpp.llama_model_load_from_file(str(out).encode(), model_params)
+    context_params = llama_cpp.llama_context_default_params()
+    context_params.n_ctx = context_params.n_batch = context_params.n_ubatch = WINDOW
+    context_params.n_threads = context_params.n_threads_batch = threads
+    context = llama_cpp.llama_init_from_model(model, context_params)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    rows = []
+    for begin in range(0, len(text_tokens) - 1, WINDOW - 1):
+        chunk = text_tokens[begin : begin + WINDOW]
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(context), True)
+        batch = llama_cpp.llama_batch_init(len(chunk), 0, 1)
+        for i, token in enumerate(chunk):  # every position's logits
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = token, i, 1, 0, 1
+        batch.n_tokens = len(chunk)
+        try:
+            if llama_cpp.llama_decode(context, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+        finally:
+            llama_cpp.llama_batch_free(batch)
+        logits = [
+            np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(context, i), shape=(n_vocab,)).copy()
+            for i in range(len(chunk) - 1)
+        ]
+        rows.append(F.log_softmax(torch.from_numpy(np.stack(logits)).float(), dim=-1))
+    llama_cpp.llama_free(context)
+    llama_cpp.llama_model_free(model)
+    logprobs = torch.cat(rows)
+    return {
+        "scheme": f"llama.cpp {kind}",
+        "ppl": perplexity(logprobs, text_tokens),
+        "logprobs": logprobs,
+        "answers": None,
+        "bytes": None,
+        "seconds": time.time() - start,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--group-size", type=int, default=32, help="int4 group size: 32 (default), 64, 128 or 256")
@@ -259,27 +323,30 @@ def main() -> None:
 
     schemes = ("bfloat16", "float32", "int8", "int4")
     results = [evaluate(params, state, tokenizer, text_tokens, s, args.group_size) for s in schemes]
+    for kind in ("Q8_0", "Q4_0"):  # llama.cpp's own, for the same bits
+        peer = llama_cpp_result(path, kind, text_tokens, args.threads)
+        results += [peer] if peer is not None else []
     base = results[0]
     header = f"{'scheme':<10} {'ppl':>8} {'vs bf16':>8} {'top-1 agree':>11} {'KL nats':>8} {'same answers':>13}"
     print(f"\n{header} {'first diff':>10} {'MiB':>7} {'s':>6}")
     verdicts = []
     for r in results:
-        diffs = [first_difference(a, b) for a, b in zip(r["answers"], base["answers"])]
-        same = sum(d is None for d in diffs)
+        diffs = [first_difference(a, b) for a, b in zip(r["answers"] or [], base["answers"])]
+        same = sum(d is None for d in diffs) if r["answers"] else "-"
         first = min((d for d in diffs if d is not None), default="-")
         change = r["ppl"] / base["ppl"] - 1
         name = r["scheme"] + (f"/g{args.group_size}" if r["scheme"] == "int4" else "")
         print(
             f"{name:<10} {r['ppl']:>8.3f} {change:>+8.2%} {agreement(r['logprobs'], base['logprobs']):>11.2%} "
             f"{kl_divergence(r['logprobs'], base['logprobs']):>8.4f} {f'{same}/{len(diffs)}':>13} {first!s:>10} "
-            f"{r['bytes'] / 2**20:>7.1f} {r['seconds']:>6.1f}"
+            f"{r['bytes'] / 2**20 if r['bytes'] else float('nan'):>7.1f} {r['seconds']:>6.1f}"
         )
         if r["scheme"] in TARGETS:
             ok = change <= TARGETS[r["scheme"]] and (r["scheme"] != "int8" or same == len(diffs))
             rule = f"ppl within {TARGETS[r['scheme']]:.0%}" + (", same answers" if r["scheme"] == "int8" else "")
             verdicts.append(f"{'PASS' if ok else 'FAIL'} {name}: {rule}")
     print("\n" + "\n".join(verdicts))
-    for r in results if args.show_answers else results[:1]:
+    for r in [r for r in results if r["answers"]] if args.show_answers else results[:1]:
         print(f"\n{r['scheme']} answers:")
         for question, answer in zip(QUESTIONS, r["answers"]):
             print(f"  {question} -> {tokenizer.decode(answer)!r}")

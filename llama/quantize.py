@@ -183,11 +183,11 @@ def max_over_model_parallel_group(x: torch.Tensor) -> torch.Tensor:
 class QuantizedLinear(ParallelLinear):
     """A linear layer with quantized weights, with one or more ways to compute its product (`products`).
 
-    On the CPU each scheme has one kernel. On a GPU the runtime measures the products at load
-    (`llama.runtime.choose_quantized_kernels`) and sets `kernels`: (most rows, product name) pairs by increasing
-    row count; a product of more rows than the last pair's runs the last pair's product."""
+    The runtime measures them at load (`llama.runtime.choose_quantized_kernels`) and sets `kernels`: (most rows,
+    product name) pairs by increasing row count; a product of more rows than the last pair's runs the last pair's
+    product. Unmeasured, and inside a compiled step (where torch.compile fuses it), each runs its device's default."""
 
-    DEFAULT_PRODUCT = ""
+    CPU_DEFAULT = GPU_DEFAULT = ""
 
     def __init__(self, layer: nn.Module):
         super().__init__(layer)
@@ -197,31 +197,49 @@ class QuantizedLinear(ParallelLinear):
         raise ValueError("A quantized layer has no fairscale form: its weight is no longer in floating point")
 
     def products(self, rows: int) -> dict:
-        """Name to product (a function of the input) of each way to compute a product of `rows` rows on a GPU."""
+        """Name to product (a function of the input) of each way to compute a product of `rows` rows here."""
         raise NotImplementedError
+
+    def default_product(self) -> str:
+        return self.CPU_DEFAULT if self.weight.device.type == "cpu" else self.GPU_DEFAULT
 
     def kernel_for(self, rows: int) -> str:
         for most_rows, name in self.kernels:
             if rows <= most_rows:
                 return name
-        return self.kernels[-1][1] if self.kernels else self.DEFAULT_PRODUCT
+        return self.kernels[-1][1] if self.kernels else self.default_product()
 
-    def gpu_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """The chosen product for `x`'s row count (within a compiled step, the default one: it fuses there)."""
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return self.products(0)[self.DEFAULT_PRODUCT](x)
+            return self.products(0)[self.default_product()](x)
         rows = x.numel() // x.shape[-1]
         return self.products(rows)[self.kernel_for(rows)](x)
+
+
+def int8_kernel_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """PyTorch's weight-only int8 kernel."""
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.ops.aten._weight_int8pack_mm(rows, q, scales).view(*x.shape[:-1], -1)
+
+
+def widened_in_blocks(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """On the CPU: the int8 weight widened to `x`'s dtype a block of rows at a time (`chunk_rows`: blocks small enough
+    for the allocator to reuse, where a whole widened weight would be mapped afresh and fault in page by page at
+    every call), each block's product by `F.linear` (the CPU's matrix kernels, fast on many rows), then scaled."""
+    rows = x.reshape(-1, x.shape[-1])
+    outputs = [F.linear(rows, block.to(x.dtype)) for block in q.split(chunk_rows(q.shape[1]))]
+    return (torch.cat(outputs, dim=-1) * scales).view(*x.shape[:-1], -1)
 
 
 class Int8Linear(QuantizedLinear):
     """A fairscale linear layer with an int8 weight (`weight`, `scales`) in place of its float one.
 
-    Products off the CPU: "int8", PyTorch's int8 kernel; "widened", the weight widened to the activations' dtype
-    inside `F.linear` (the default, and what a compiled step fuses into one pass); "fused", that product compiled on
-    its own, for one row, where torch.compile reads each int8 weight once."""
+    Products: "int8", PyTorch's int8 kernel (the CPU's default); "widened", the weight widened to the activations'
+    dtype inside `F.linear` (the GPU's default, and what a compiled step fuses into one pass; on the CPU a block of
+    rows at a time, for prompts); on a GPU "fused", that product compiled on its own, for one row, where
+    torch.compile reads each int8 weight once."""
 
-    DEFAULT_PRODUCT = "widened"
+    CPU_DEFAULT, GPU_DEFAULT = "int8", "widened"
 
     def __init__(self, layer: nn.Module, q: torch.Tensor, scales: torch.Tensor):
         super().__init__(layer)
@@ -230,20 +248,20 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", scales)
         self.out_features, self.in_features = q.shape  # this process's slice
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.int8_product(x) if x.device.type == "cpu" else self.gpu_matmul(x)
-
     def products(self, rows: int) -> dict:
+        if self.weight.device.type == "cpu":
+            return {"int8": self.int8_product, "widened": self.widened_product}
         products = {"int8": self.int8_product, "widened": self.widened_product}
         if rows == 1:  # compiled for one row count only: a graph for each would be compiled at its first use
             products["fused"] = self.fused_product
         return products
 
     def int8_product(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        return torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scales).view(*x.shape[:-1], -1)
+        return int8_kernel_product(x, self.weight, self.scales)
 
     def widened_product(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            return widened_in_blocks(x, self.weight, self.scales)
         return widened_int8_product(x, self.weight, self.scales)
 
     def fused_product(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,7 +278,7 @@ class Int4Linear(QuantizedLinear):
     `group_scales`, `group_zeros`), which a GPU layer holds until the runtime's measurement finds whether any row
     count needs them (`drop_unused_copies`)."""
 
-    DEFAULT_PRODUCT = "tinygemm"
+    CPU_DEFAULT = GPU_DEFAULT = "tinygemm"
 
     def __init__(self, layer: nn.Module, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
         """`nibbles`: the values q in [0, 15], two per byte (`pack_nibbles`); `scales`, `zeros`: one column per
@@ -284,9 +302,6 @@ class Int4Linear(QuantizedLinear):
         # (groups, out_features, 2): each group's scale and zero, for every output channel
         self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).contiguous())
         self.out_features, self.in_features = nibbles.shape[0], nibbles.shape[1] * 2  # this process's slice
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return self.int4_product(x) if x.device.type == "cpu" else self.gpu_matmul(x)
 
     def products(self, rows: int) -> dict:
         products = {"tinygemm": self.int4_product}

@@ -6,6 +6,8 @@ Every product must compute the dequantized weight's product, whichever the timin
 tests run the timing itself and the CUDA graphs over the chosen products.
 """
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,25 +41,49 @@ def test_every_int8_product_computes_the_dequantized_weights_product(process_gro
     expected_weight = dequantize(layer.weight, layer.scales)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
     expected = x @ expected_weight.t()
-    names = set(layer.products(rows))
-    assert names == ({"int8", "widened", "fused"} if rows == 1 else {"int8", "widened"})
+    assert set(layer.products(rows)) == {"int8", "widened"}  # on the CPU; a GPU adds "fused" for one row
+    products = {**layer.products(rows), "fused": layer.fused_product}  # torch.compile's, run here on the CPU
     with torch.inference_mode():  # as decoding runs them
-        for name, product in layer.products(rows).items():
+        for name, product in products.items():
             torch.testing.assert_close(product(x), expected, atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_each_row_count_runs_the_product_chosen_for_it(process_group):
     layer = int8_layer()
-    assert layer.kernel_for(1) == layer.kernel_for(4096) == "widened"  # unmeasured: the default
-    layer.kernels = ((1, "fused"), (8, "int8"), (64, "widened"))
+    assert layer.kernel_for(1) == layer.kernel_for(4096) == "int8"  # unmeasured: the CPU's default
+    layer.kernels = ((1, "int8"), (8, "widened"), (64, "int8"))
     chosen = [layer.kernel_for(rows) for rows in (1, 2, 8, 9, 64, 5000)]
-    assert chosen == ["fused", "int8", "int8", "widened", "widened", "widened"]
+    assert chosen == ["int8", "widened", "widened", "int8", "int8", "int8"]
     ran = []
-    for name in ("fused", "int8", "widened"):
+    for name in ("int8", "widened"):
         setattr(layer, f"{name}_product", lambda x, name=name: ran.append(name) or x[..., :96])
     for rows in (1, 3, 100):
-        layer.gpu_matmul(torch.zeros(rows, 128))
-    assert ran == ["fused", "int8", "widened"]
+        layer(torch.zeros(rows, 128))
+    assert ran == ["int8", "widened", "int8"]
+
+
+def test_the_cpu_widens_int8_prompts_in_blocks_to_the_same_product(process_group):
+    """A weight of more rows than one block (`chunk_rows`): its blocks' products, joined, are the whole product."""
+    layer = int8_layer(rows=2100, cols=1024)  # blocks of 2048 rows, then 52
+    x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(8))
+    expected = x @ dequantize(layer.weight, layer.scales).t()
+    torch.testing.assert_close(layer.widened_product(x), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_cpu_chooses_an_int8_product_per_row_count_by_timing_them(process_group, monkeypatch):
+    """Timed on a sample of each weight's rows: whichever product is faster at a row count runs it."""
+    from llama.runtime import quantized_kernels
+
+    def slow(x, q, scales):
+        time.sleep(0.003)
+        return x
+
+    layer = int8_layer()
+    for faster in ("int8", "widened"):
+        products = {name: (lambda x, q, scales: x) if name == faster else slow for name in ("int8", "widened")}
+        monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products)
+        quantized_kernels.choose_quantized_kernels(layer)
+        assert layer.kernels == tuple((rows, faster) for rows in quantized_kernels.CPU_TIMED_ROWS)
 
 
 def test_int4_widening_is_the_dequantized_weight_in_the_activations_dtype():

@@ -1,5 +1,6 @@
-"""Step 5 of `for_runtime`: on a GPU, each quantized weight's product chosen by timing every way to compute it
-(`QuantizedLinear.products`) at the row counts that matter: a decode step's, a batch's, a prompt's.
+"""Step 5 of `for_runtime`: each quantized weight's product chosen by timing every way to compute it
+(`QuantizedLinear.products`) at the row counts that matter: a decode step's, a batch's, a prompt's; on a GPU for
+every scheme, on the CPU for int8 (PyTorch's kernel, or the weight widened a block at a time for `F.linear`).
 
 Which one is fastest depends on the GPU, the PyTorch build and the weight's shape (on an H100 with PyTorch 2.11,
 PyTorch's int8 kernel was the slowest at every row count, and tinygemm lost to a widened weight beyond a few rows:
@@ -7,6 +8,7 @@ docs/cuda.md), so it is measured, not assumed. The products give the same values
 and where the widened weight is rounded.
 """
 
+import functools
 import statistics
 from typing import Callable, Dict, Tuple
 
@@ -14,30 +16,53 @@ import torch
 from torch import nn
 
 from llama.cuda_graphs import record
-from llama.quantize import Int4Linear, QuantizedLinear
+from llama.quantize import Int4Linear, Int8Linear, QuantizedLinear, int8_kernel_product, widened_in_blocks
 from llama.timing import median_seconds
 
 # Row counts at which each product is timed: a decode step of one sequence (the only count at which the "fused"
 # int8 product is compiled), a batch's step, a short prompt, a long one.
 TIMED_ROWS = (1, 8, 64, 512)
+# On the CPU: a decode step's row count, a batch's, a short prompt, a prompt as the float kernels time it.
+CPU_TIMED_ROWS = (1, 8, 64, 256)
+CPU_SAMPLE_VALUES = 2**20
+CPU_INT8_PRODUCTS = {"int8": int8_kernel_product, "widened": widened_in_blocks}
 GRAPH_CALLS = 10  # products per timed CUDA graph replay
 SCREEN = 4  # products more than this many times slower than the best at a first, eager call are not timed further
 
 
 def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Tuple[Tuple[int, str], ...]]:
-    """Step 5: set each GPU-held quantized layer's `kernels`, timed once per (type, weight shape); free the int4
-    weights' second copies no chosen product reads. Returns the choices by (type name, out, in)."""
+    """Step 5: set each quantized layer's `kernels` where it has more than one product (on a GPU every one; on the
+    CPU the int8 ones), timed once per (type, weight shape); free the int4 weights' second copies no chosen product
+    reads. Returns the choices by (type name, out, in)."""
     choices = {}
     for layer in model.modules():
-        if not isinstance(layer, QuantizedLinear) or layer.weight.device.type == "cpu":
+        on_cpu = isinstance(layer, QuantizedLinear) and layer.weight.device.type == "cpu"
+        if not isinstance(layer, QuantizedLinear) or on_cpu and not isinstance(layer, Int8Linear):
             continue
         key = (type(layer).__name__, layer.out_features, layer.in_features)
         if key not in choices:
-            choices[key] = tuple((rows, fastest_product(layer, rows)) for rows in TIMED_ROWS)
+            choices[key] = cpu_int8_choice(layer) if on_cpu else gpu_choice(layer)
         layer.kernels = choices[key]
         if isinstance(layer, Int4Linear):
             layer.drop_unused_copies()
     return choices
+
+
+def gpu_choice(layer: QuantizedLinear) -> Tuple[Tuple[int, str], ...]:
+    return tuple((rows, fastest_product(layer, rows)) for rows in TIMED_ROWS)
+
+
+def cpu_int8_choice(layer: Int8Linear) -> Tuple[Tuple[int, str], ...]:
+    """The faster CPU int8 product at each of `CPU_TIMED_ROWS`, timed on the weight's first rows (about
+    `CPU_SAMPLE_VALUES` weights: each output row is computed alone, so its time per weight is the whole weight's)."""
+    sample = max(1, CPU_SAMPLE_VALUES // layer.in_features)
+    q, scales = layer.weight[:sample], layer.scales[:sample]
+    products = {name: functools.partial(product, q=q, scales=scales) for name, product in CPU_INT8_PRODUCTS.items()}
+    choice = []
+    for rows in CPU_TIMED_ROWS:
+        x = torch.randn(rows, layer.in_features, dtype=scales.dtype)
+        choice.append((rows, fastest(products, x, repeats=3)))
+    return tuple(choice)
 
 
 def fastest_product(layer: QuantizedLinear, rows: int) -> str:
