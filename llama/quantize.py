@@ -223,11 +223,14 @@ def int8_kernel_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) 
 
 
 def widened_in_blocks(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """On the CPU: the int8 weight widened to `x`'s dtype a block of rows at a time (`chunk_rows`: blocks small enough
-    for the allocator to reuse, where a whole widened weight would be mapped afresh and fault in page by page at
-    every call), each block's product by `F.linear` (the CPU's matrix kernels, fast on many rows), then scaled."""
+    """On the CPU: the int8 weight widened to `x`'s dtype a block of rows at a time (`chunk_rows`) into one buffer
+    reused for every block (a whole widened weight would be mapped afresh and fault in page by page at every call:
+    several times slower), each block's product by `F.linear` (the CPU's matrix kernels, fast on many rows), then
+    scaled."""
     rows = x.reshape(-1, x.shape[-1])
-    outputs = [F.linear(rows, block.to(x.dtype)) for block in q.split(chunk_rows(q.shape[1]))]
+    step = chunk_rows(q.shape[1])
+    buffer = torch.empty(min(step, q.shape[0]), q.shape[1], dtype=x.dtype)
+    outputs = [F.linear(rows, buffer[: len(block)].copy_(block)) for block in q.split(step)]
     return (torch.cat(outputs, dim=-1) * scales).view(*x.shape[:-1], -1)
 
 
