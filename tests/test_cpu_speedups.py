@@ -340,6 +340,17 @@ def test_bfloat16_on_float16_copies_keeps_the_reference_results(process_group, t
 
 
 @needs_fbgemm
+def test_the_onednn_copies_are_made_at_load_not_by_the_first_prompt(process_group, tmp_path, monkeypatch):
+    """In bfloat16 oneDNN runs on a copy of the weights in its blocked layout; made at load, the first prompt does
+    not wait for it (half of a 3 s first prompt at 1B's shape, before)."""
+    if not llama.cpu.onednn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bfloat16 kernels: its bfloat16 runs on no oneDNN copy")
+    monkeypatch.setenv("LLAMA_CPU_KERNEL", "onednn")
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=25), torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, CPULinear)]
+    assert layers and all(copy_holder(model, m).packed["onednn"][1] is not None for m in layers)
+
+
 def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tmp_path, caplog, monkeypatch):
     """On the "fp16" kernel (pinned here), a float32 model loaded from a bfloat16 checkpoint runs every input
     (decode steps, prompts long or short) on float16 copies of its weights, made at load: its logits stay within
@@ -354,7 +365,7 @@ def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tm
     assert layers and all(
         set(m.kernels.values()) == {"fp16"} and copy_holder(fast, m).packed["fp16"][1] is not None for m in layers
     )
-    assert "Made float16 copies of the weights" in caplog.text
+    assert "Made the weight copies this CPU's kernels run on (float16: 9, oneDNN: 0)" in caplog.text
     # The copy is what runs: a weight below 2**-17 comes out as float16 holds it.
     wo = copy.deepcopy(fast.layers[0].attention.wo)
     tiny = torch.tensor(1e-7).bfloat16().float()
@@ -384,7 +395,7 @@ def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tm
     full_precision = load_tiny(tmp_path / "float32 values", trained, torch.float32)
     layers = [m for m in full_precision.modules() if isinstance(m, CPULinear)]
     assert not any(copy_holder(full_precision, m).packed for m in layers)  # F.linear where the pinned kernel cannot run
-    assert "float16 copies" not in caplog.text
+    assert "Made the weight copies" not in caplog.text
     expected = reference_model(tmp_path / "float32 reference", trained, torch.float32)(tokens, 0)
     assert (incremental_logits(full_precision, tokens, [24] + [1] * 8) - expected).abs().max() < ATOL
 

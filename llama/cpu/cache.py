@@ -77,7 +77,7 @@ def cpuinfo_fields() -> Dict[str, str]:
 class Measured:
     """What measuring one product at one row count found, in seconds per weight of the sample it ran on: each
     kernel's fastest and median timed round, and for "fp16" the time it takes to make the float16 copy at load
-    (fbgemm packs a weight on one core, and `make_fp16_copies` packs on as many threads as torch uses)."""
+    (fbgemm packs a weight on one core, and `make_weight_copies` packs on as many threads as torch uses)."""
 
     seconds: Dict[str, float]
     median: Dict[str, float]

@@ -322,10 +322,10 @@ def cached_timings_stale(
     cached: List[Job], measured: Dict[tuple, tuple], flush: Callable[[], object], cache: KernelCache
 ) -> bool:
     """Whether the cached timings of `cached` (their `measured` entries) no longer hold here: the largest one-row
-    product's kernels, timed again (`RECHECK_ROUNDS`), put another kernel `FLIPPED` times ahead of the cached
-    choice, or run the cached choice `STALE` times faster than cached, so the cache was measured on a busier
-    machine. A re-check whose own rounds disagree (a busy machine now) cannot tell, and keeps the cache; one that
-    finds the figures hold marks them `confirmed`, and later loads re-check no more."""
+    product's kernels, timed again (`RECHECK_ROUNDS`), put another kernel's usual round `FLIPPED` times ahead of the
+    cached choice's fastest, or the cached choice's fastest round was `STALE` times its usual round now, so the
+    cache was measured on a busier machine. A re-check whose own rounds disagree (a busy machine now) cannot tell,
+    and keeps the cache; one that finds the figures hold marks them `confirmed`, and later loads re-check no more."""
     one_row = [job for job in cached if job.rows == 1 and len(measured[job.name, 1][0].median) > 1]
     if not one_row:
         return False
@@ -337,8 +337,10 @@ def cached_timings_stale(
     choice, fastest_now = before.fastest(), now.fastest()
     if now.noisy or choice not in now.median:
         return False  # busy now, or the cached choice cannot run: cannot tell
-    flipped = now.median[choice] > FLIPPED * now.median[fastest_now]
-    busier = before.median[choice] > STALE * now.median[choice]
+    # Each side's own spread counts against it: the choice's fastest round must lose to the other's usual one, and
+    # the cached fastest round must be slower than the usual one now (noise alone seldom does either).
+    flipped = now.seconds[choice] > FLIPPED * now.median[fastest_now]
+    busier = before.seconds[choice] > STALE * now.median[choice]
     if flipped or busier:
         logger.info(
             "The cached CPU kernel timings in %s no longer hold (%s, 1 row, ms per million weights: %s now %.3g, "

@@ -189,14 +189,28 @@ def product_name(layers: Sequence[CPULinear]) -> str:
     )
 
 
-def make_fp16_copies(model: nn.Module) -> None:
-    """Make the float16 copies of `model`'s products that run on them now rather than at their first use, on as
-    many Python threads as torch uses: fbgemm packs a weight on one core."""
-    copies = [owner for owner in product_owners(model) if "fp16" in layers_of(owner)[0].kernels.values()]
+def make_weight_copies(model: nn.Module) -> None:
+    """Make the copies of `model`'s weights that the chosen kernels run on (`runs_on_a_copy`: fbgemm's float16 ones,
+    oneDNN's blocked bfloat16 ones) now, rather than at their first use, where the first prompt would wait for them
+    (1.5 s of a 3 s first prompt at 1B's shape on the AMX Xeon of docs/speed.md): on as many Python threads as torch
+    uses, since fbgemm packs a weight on one core."""
+    wanted = []
+    for owner in product_owners(model):
+        layer = layers_of(owner)[0]
+        kernels = sorted({k for k in layer.kernels.values() if runs_on_a_copy(k, layer.weight.dtype)})
+        wanted += [(owner, kernel) for kernel in kernels]
     start = time.perf_counter()
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        made = sum(packed is not None for packed in pool.map(lambda owner: owner.packed_copy("fp16"), copies))
+        made = list(pool.map(lambda item: (item[1], item[0].packed_copy(item[1]) is not None), wanted))
     seconds = time.perf_counter() - start
-    if global_rank() == 0 and made:
-        kept = f" ({len(copies) - made} of {len(copies)} not: float16 cannot hold them)" if made < len(copies) else ""
-        logger.info("Made float16 copies of the weights for this CPU's kernels%s in %.2f seconds", kept, seconds)
+    counts = {kernel: sum(ok for k, ok in made if k == kernel) for kernel in ("fp16", "onednn")}
+    if global_rank() == 0 and any(counts.values()):
+        lost = sum(not ok for _, ok in made)
+        kept = f" ({lost} not: float16 cannot hold them)" if lost else ""
+        logger.info(
+            "Made the weight copies this CPU's kernels run on (float16: %d, oneDNN: %d)%s in %.2f seconds",
+            counts["fp16"],
+            counts["onednn"],
+            kept,
+            seconds,
+        )

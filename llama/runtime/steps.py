@@ -16,7 +16,7 @@ from llama.cpu import (
     copies_fit,
     cpu_kernels_apply,
     fused_product,
-    make_fp16_copies,
+    make_weight_copies,
     row_counts,
 )
 from llama.cuda_graphs import CUDAGraphDecodeStep
@@ -104,10 +104,10 @@ def unpack_layers(model: nn.Module) -> None:
 
 def choose_cpu_kernels(model: nn.Module, copies: bool) -> None:
     """Step 3: each product's kernel for each row count that matters (`llama.cpu.choose_kernels`; kernels on a copy
-    of the weights only where `copies`), then the float16 copies chosen kernels run on."""
+    of the weights only where `copies`), then the copies of the weights the chosen kernels run on."""
     for layer, kernels in choose_kernels(model, row_counts(model.params.max_batch_size), copies).items():
         layer.kernels = kernels
-    make_fp16_copies(model)
+    make_weight_copies(model)
 
 
 def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = None) -> nn.Module:
