@@ -86,6 +86,22 @@ def test_the_cpu_chooses_an_int8_product_per_row_count_by_timing_them(process_gr
         assert layer.kernels == tuple((rows, faster) for rows in quantized_kernels.CPU_TIMED_ROWS)
 
 
+def test_an_environment_variable_pins_one_product_and_nothing_is_timed(process_group, monkeypatch):
+    from llama.runtime import quantized_kernels
+
+    def never(x, q, scales):
+        raise AssertionError("timed although pinned")
+
+    monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", {"int8": never, "widened": never})
+    layer = int8_layer()
+    monkeypatch.setenv("LLAMA_QUANTIZED_PRODUCT", "widened")
+    quantized_kernels.choose_quantized_kernels(layer)
+    assert [layer.kernel_for(rows) for rows in (1, 8, 300)] == ["widened"] * 3
+    monkeypatch.setenv("LLAMA_QUANTIZED_PRODUCT", "turbo")
+    with pytest.raises(ValueError, match="LLAMA_QUANTIZED_PRODUCT='turbo' is not a quantized product"):
+        quantized_kernels.choose_quantized_kernels(layer)
+
+
 def test_int4_widening_is_the_dequantized_weight_in_the_activations_dtype():
     weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
     assert dequantized_int4_weight(*quantize_int4(weight, 64, torch.bfloat16)).dtype == torch.bfloat16

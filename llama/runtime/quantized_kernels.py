@@ -9,8 +9,9 @@ and where the widened weight is rounded.
 """
 
 import functools
+import os
 import statistics
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ TIMED_ROWS = (1, 8, 64, 512)
 CPU_TIMED_ROWS = (1, 8, 64, 256)
 CPU_SAMPLE_VALUES = 2**20
 CPU_INT8_PRODUCTS = {"int8": int8_kernel_product, "widened": widened_in_blocks}
+PRODUCT_VARIABLE = "LLAMA_QUANTIZED_PRODUCT"  # pins one product (`pinned_product`)
 GRAPH_CALLS = 10  # products per timed CUDA graph replay
 SCREEN = 4  # products more than this many times slower than the best at a first, eager call are not timed further
 
@@ -41,11 +43,30 @@ def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Tuple[Tuple[int, s
             continue
         key = (type(layer).__name__, layer.out_features, layer.in_features)
         if key not in choices:
-            choices[key] = cpu_int8_choice(layer) if on_cpu else gpu_choice(layer)
+            pinned = pinned_product(layer)
+            if pinned is not None:
+                choices[key] = ((1, pinned),)
+            else:
+                choices[key] = cpu_int8_choice(layer) if on_cpu else gpu_choice(layer)
         layer.kernels = choices[key]
         if isinstance(layer, Int4Linear):
             layer.drop_unused_copies()
     return choices
+
+
+def pinned_product(layer: QuantizedLinear) -> Optional[str]:
+    """The product `LLAMA_QUANTIZED_PRODUCT` pins for every row count, where `layer` has it ("fused", one row's
+    only, is then its default for other rows: not pinnable); None where it is unset, or names a product of the
+    other scheme or device (this layer is measured). For tests and bisecting, as `LLAMA_CPU_KERNEL` is for floats."""
+    name = os.environ.get(PRODUCT_VARIABLE, "").strip()
+    if not name:
+        return None
+    known = {"int8", "widened", "tinygemm", "dequantized"}
+    if name not in known:
+        raise ValueError(
+            f"{PRODUCT_VARIABLE}={name!r} is not a quantized product: set one of {sorted(known)}, or unset it"
+        )
+    return name if name in layer.products(2) else None
 
 
 def gpu_choice(layer: QuantizedLinear) -> Tuple[Tuple[int, str], ...]:
