@@ -352,16 +352,9 @@ def gguf_file(meta: Path, kind: str) -> Path:
     if path.is_file():
         return path
     if kind != "F16":
-        import ctypes
-
-        import llama_cpp
-
         source = gguf_file(meta, "F16")
         log(f"quantizing {source.name} to {kind}")
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
-        if llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params)) != 0:
-            raise RuntimeError(f"llama.cpp could not quantize {source} to {kind}")
+        llama_cpp_quantize(source, path, kind)
         return path
     import gguf
     import numpy as np
@@ -400,23 +393,46 @@ def gguf_file(meta: Path, kind: str) -> Path:
     return path
 
 
+def llama_cpp_quantize(source: Path, path: Path, kind: str, requantize: bool = False) -> None:
+    """llama.cpp's own quantizer: the GGUF file `source` as `kind` (Q8_0, Q4_0) at `path`; `requantize` lets it take
+    a source whose weights are quantized already."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
+    params.allow_requantize = requantize
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {kind}")
+
+
+def llama_cpp_context(path: Path, n_ctx: int, n_batch: int, n_seq_max: int, threads: int):
+    """(model, context) of the GGUF file at `path` through llama.cpp's low-level API, loaded with
+    `use_extra_bufts = False` (see the module docstring), its threads set to `threads`."""
+    import llama_cpp
+
+    llama_cpp.llama_backend_init()
+    model_params = llama_cpp.llama_model_default_params()
+    model_params.use_extra_bufts = False
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params)
+    context_params = llama_cpp.llama_context_default_params()
+    context_params.n_ctx = n_ctx
+    context_params.n_batch = context_params.n_ubatch = n_batch
+    context_params.n_seq_max = n_seq_max
+    context_params.n_threads = context_params.n_threads_batch = threads
+    return model, llama_cpp.llama_init_from_model(model, context_params)
+
+
 def worker_llama_cpp(args) -> dict:
     """llama.cpp through its low-level API, greedy on token IDs, its threads set to ours."""
 
     import llama_cpp
     import numpy as np
 
-    llama_cpp.llama_backend_init()
-    model_params = llama_cpp.llama_model_default_params()
-    model_params.use_extra_bufts = False  # see the module docstring
     start = time.perf_counter()
-    model = llama_cpp.llama_model_load_from_file(str(args.checkpoint).encode(), model_params)
-    context_params = llama_cpp.llama_context_default_params()
-    context_params.n_ctx = 8 * 1024  # 1024 positions for each of 8 sequences
-    context_params.n_batch = context_params.n_ubatch = 512
-    context_params.n_seq_max = 8
-    context_params.n_threads = context_params.n_threads_batch = args.threads
-    context = llama_cpp.llama_init_from_model(model, context_params)
+    # 1024 positions for each of 8 sequences
+    model, context = llama_cpp_context(args.checkpoint, 8 * 1024, 512, 8, args.threads)
     result = {"load_s": time.perf_counter() - start}
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     memory = llama_cpp.llama_get_memory(context)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import SHAPES  # noqa: E402
+from bench import SHAPES, sync  # noqa: E402
 
 from llama.checkpoint.load import AllocateOnMeta  # noqa: E402
 from llama.checkpoint.shards import full_shapes  # noqa: E402
@@ -55,19 +55,14 @@ def step_bytes(model, prompt_len: int) -> int:
     return weights + per_position * prompt_len
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def copy_rate(device) -> float:
     big = torch.empty(2**30, dtype=torch.uint8, device=device)
     big.clone()
-    sync(device)
+    sync(device.type)
     start = time.perf_counter()
     for _ in range(10):
         big.clone()
-    sync(device)
+    sync(device.type)
     return 2 * big.numel() * 10 / (time.perf_counter() - start)
 
 
@@ -79,17 +74,17 @@ def decode_rate(model, step, steps: int, device) -> float:
     for position in range(16, 16 + steps):
         logits = step(next_token, torch.tensor([position], device=device))
         next_token = logits[:, -1].argmax(-1, keepdim=True)
-    sync(device)
+    sync(device.type)
     return steps / (time.perf_counter() - start)
 
 
 def prompt_rate(model, rows: int, device) -> float:
     tokens = torch.randint(0, 1000, (1, rows), device=device)
     model(tokens, 0, last_logits_only=True)
-    sync(device)
+    sync(device.type)
     start = time.perf_counter()
     model(tokens, 0, last_logits_only=True)
-    sync(device)
+    sync(device.type)
     return rows / (time.perf_counter() - start)
 
 
@@ -114,7 +109,7 @@ def main() -> None:
         if scheme != "bfloat16":
             quantize_model(model, scheme)
         model, step = for_runtime(model, compile=opts.compile, cuda_graphs=True)
-        sync(device)
+        sync(device.type)
         load = time.perf_counter() - start
         step = step or model.decode_step
         kernels = sorted({m.kernels for m in model.modules() if isinstance(m, QuantizedLinear)})

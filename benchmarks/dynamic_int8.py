@@ -14,9 +14,7 @@ token, at 7 and at 8 bits.
 """
 
 import argparse
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -27,18 +25,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant_accuracy  # noqa: E402
 
 from llama.quantize import Int8Linear, quantize_int4, quantize_int8, unpack_nibbles  # noqa: E402
+from llama.timing import median_seconds  # noqa: E402
 
 SHAPES = [(2048, 8192), (14336, 4096), (128256, 2048)]
 
 
 def median_ms(fn, calls: int = 20) -> float:
-    fn(), fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    fn()  # a first warm-up; `median_seconds` makes the second
+    return median_seconds(fn, calls) * 1e3
 
 
 def packed_int8(q: torch.Tensor, scales: torch.Tensor):

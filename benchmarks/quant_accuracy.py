@@ -30,6 +30,7 @@ Targets: int8 within 2% of bfloat16's perplexity with the same greedy answers; i
 import argparse
 import importlib.util
 import math
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -38,6 +39,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import llama_cpp_context, llama_cpp_quantize  # noqa: E402
 
 EVAL_TEXT = Path(__file__).resolve().parent / "eval_text.txt"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -250,27 +254,14 @@ def llama_cpp_result(path: Path, kind: str, text_tokens: List[int], threads: int
     llama_cpp is not importable."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
-    import ctypes
-
     import llama_cpp
     import numpy as np
 
     start = time.time()
     out = Path(tempfile.gettempdir()) / f"{path.stem}.{kind}.gguf"
     if not out.exists():
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
-        params.allow_requantize = True
-        if llama_cpp.llama_model_quantize(str(path).encode(), str(out).encode(), ctypes.byref(params)) != 0:
-            raise RuntimeError(f"llama.cpp could not quantize {path} to {kind}")
-    llama_cpp.llama_backend_init()
-    model_params = llama_cpp.llama_model_default_params()
-    model_params.use_extra_bufts = False  # its repacked (AMX) buffers crash quantized files on some CPUs (bench.py)
-    model = llama_cpp.llama_model_load_from_file(str(out).encode(), model_params)
-    context_params = llama_cpp.llama_context_default_params()
-    context_params.n_ctx = context_params.n_batch = context_params.n_ubatch = WINDOW
-    context_params.n_threads = context_params.n_threads_batch = threads
-    context = llama_cpp.llama_init_from_model(model, context_params)
+        llama_cpp_quantize(path, out, kind, requantize=True)
+    model, context = llama_cpp_context(out, WINDOW, WINDOW, 1, threads)
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
     rows = []
     for begin in range(0, len(text_tokens) - 1, WINDOW - 1):

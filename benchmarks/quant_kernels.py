@@ -14,9 +14,7 @@ becomes. Figures: median of --steps steps.
 """
 
 import argparse
-import statistics
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,6 +28,7 @@ from llama.cpu import CPULinear, fbgemm_fp16_supported  # noqa: E402
 from llama.distributed import init_model_parallel  # noqa: E402
 from llama.model import ModelArgs  # noqa: E402
 from llama.quantize import quantize_layer  # noqa: E402
+from llama.timing import median_seconds  # noqa: E402
 
 FORMS = ("bfloat16", "float16 copy", "int8", "int4") if fbgemm_fp16_supported() else ("bfloat16", "int8", "int4")
 
@@ -63,13 +62,7 @@ def time_products(form: str, weights: list, steps: int):
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
+    return median_seconds(fn, repeats) * 1000
 
 
 def main() -> None:
