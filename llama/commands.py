@@ -63,6 +63,12 @@ def add_model_flags(parser: argparse.ArgumentParser, max_gen_len: Optional[int])
     parser.add_argument(
         "--nocuda_graphs", dest="cuda_graphs", action="store_false", help="on one GPU, decode without CUDA graphs"
     )
+    parser.add_argument(
+        "--noprefix_cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="run each prompt from its first token (default: reuse what the KV cache holds from the last turn)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="show the library's log records (INFO)")
 
 
@@ -178,6 +184,7 @@ def load(args: argparse.Namespace, prompts: Optional[List[str]] = None):
         compile=args.compile,
         quantize=args.quantize,
         cuda_graphs=args.cuda_graphs,
+        prefix_cache=args.prefix_cache,
     )
     print(generator.load_report, file=rank0_stream(sys.stderr), flush=True)
     return generator

@@ -1,7 +1,7 @@
 """Between the completion calls' text and token IDs: prompts and dialogs checked and encoded, answers read back
 into the reference's shapes."""
 
-from typing import List
+from typing import List, Optional
 
 from llama.tokenizer import ChatFormat, Dialog, Message, StopReason, Tokenizer
 
@@ -46,3 +46,23 @@ def assistant_message(formatter: ChatFormat, tokens: List[int], stop_reason: Sto
 def token_logprobs(tokenizer: Tokenizer, tokens: List[int], logprobs: List[float]) -> dict:
     """The "tokens" (each decoded alone) and "logprobs" entries of a prediction."""
     return {"tokens": [tokenizer.decode([x]) for x in tokens], "logprobs": logprobs}
+
+
+def completion_prediction(tokenizer: Tokenizer, tokens: List[int], logprobs: Optional[List[float]]) -> dict:
+    """One prompt's `CompletionPrediction`: {"generation": text}, with "tokens" and "logprobs" given logprobs."""
+    prediction = {"generation": tokenizer.decode(tokens)}
+    if logprobs is not None:
+        prediction.update(token_logprobs(tokenizer, tokens, logprobs))
+    return prediction
+
+
+def chat_prediction(
+    formatter: ChatFormat, tokens: List[int], logprobs: Optional[List[float]], stop_reason: StopReason
+) -> dict:
+    """One dialog's `ChatPrediction`: its "generation" (`assistant_message`), "tokens" and "logprobs" when there are
+    logprobs, and "stop_reason"."""
+    prediction = {"generation": assistant_message(formatter, tokens, stop_reason)}
+    if logprobs is not None:
+        prediction.update(token_logprobs(formatter.tokenizer, tokens, logprobs))
+    prediction["stop_reason"] = stop_reason
+    return prediction

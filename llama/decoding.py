@@ -1,7 +1,8 @@
 """Batch decoding: from token-ID prompts to generated tokens, for a model, a tokenizer and a one-token step.
 
-`BatchDecoder` lays the prompts out in one right-padded table, runs the model over the positions from the
-shortest prompt's end, samples each next token, and stops each row at a stop token. `Llama` builds one and calls
+`BatchDecoder` lays the prompts out in one right-padded table, runs the model over the positions up to the
+shortest prompt's end (from the first position some row's cache does not already hold: prefix reuse), samples each
+next token, and stops each row at a stop token. `Llama` builds one and calls
 it; it needs no `Llama` itself, so it can be driven (and tested) with any model of the same interface.
 """
 
@@ -40,16 +41,29 @@ class Batch:
     token_logprobs: Optional[torch.Tensor]  # (bsz, total_len), logprob of each token given those before
     eos_reached: torch.Tensor  # (bsz,)
     cur_pos: int = 0  # positions [0, cur_pos) are final
+    reused: int = 0  # positions [0, reused) of every row were already in the KV cache: the model starts after them
 
 
 class BatchDecoder:
     """Generates tokens for a batch of prompts with `model` (its `forward` and KV cache) and `tokenizer` (its pad
-    and stop tokens); with `decode_step`, one-token steps run through it instead of `model.forward`."""
+    and stop tokens); with `decode_step`, one-token steps run through it instead of `model.forward`.
 
-    def __init__(self, model: RuntimeTransformer, tokenizer: Tokenizer, decode_step: Optional[DecodeStep] = None):
+    With `prefix_cache`, prompt i goes to cache row i, and the positions that every row of the batch already holds
+    (`model.cached`: the last call's prompt and output, as far as the new prompt repeats them) are not run again.
+    `last_reused` says how many positions of each row the last call reused."""
+
+    def __init__(
+        self,
+        model: RuntimeTransformer,
+        tokenizer: Tokenizer,
+        decode_step: Optional[DecodeStep] = None,
+        prefix_cache: bool = True,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.decode_step = decode_step
+        self.prefix_cache = prefix_cache
+        self.last_reused: List[int] = []
 
     @property
     def device(self) -> torch.device:
@@ -71,7 +85,8 @@ class BatchDecoder:
         echo: bool,
     ) -> Tuple[List[List[int]], List[Optional[List[float]]], List[StopReason]]:
         """Decode the whole batch; each row's output, its logprobs (None without `logprobs`) and why it stopped."""
-        batch = self.start(prompt_tokens, max_gen_len, temperature, top_p, logprobs)
+        # With echo, logprobs are wanted from the prompt's second token on: every position must run.
+        batch = self.start(prompt_tokens, max_gen_len, temperature, top_p, logprobs, reuse=not (logprobs and echo))
         for _ in self.steps(batch, temperature, top_p):
             pass
         return self.finish(batch, max_gen_len, echo)
@@ -104,9 +119,15 @@ class BatchDecoder:
                 yield StreamChunk(index=i, text=text, finished=True, stop_reason="length", n_tokens=sent[i])
 
     def start(
-        self, prompt_tokens: Sequence[Sequence[int]], max_gen_len: int, temperature: float, top_p: float, logprobs: bool
+        self,
+        prompt_tokens: Sequence[Sequence[int]],
+        max_gen_len: int,
+        temperature: float,
+        top_p: float,
+        logprobs: bool,
+        reuse: bool = True,
     ) -> Batch:
-        """Check the arguments and lay out the batch."""
+        """Check the arguments and lay out the batch, reusing the cached prefix where `reuse` and `prefix_cache`."""
         params = self.model.params
         check_sampling(temperature, top_p, max_gen_len)
         if max_gen_len is None:
@@ -134,12 +155,17 @@ class BatchDecoder:
         tokens = torch.full((bsz, total_len), self.tokenizer.pad_id, dtype=torch.long, device=self.device)
         for k, t in enumerate(prompt_tokens):
             tokens[k, : len(t)] = torch.tensor(t, dtype=torch.long, device=self.device)
+        reused = 0
+        if reuse and self.prefix_cache:  # one start for the whole batch: the least any row holds
+            reused = min(self.model.cached.reusable(i, t) for i, t in enumerate(prompt_tokens))
+        self.last_reused = [reused] * bsz
         return Batch(
             tokens=tokens,
             prompt_lens=[len(t) for t in prompt_tokens],
             token_logprobs=torch.zeros_like(tokens, dtype=torch.float) if logprobs else None,
             eos_reached=torch.zeros(bsz, dtype=torch.bool, device=self.device),
             cur_pos=min(len(t) for t in prompt_tokens),
+            reused=reused,
         )
 
     @torch.inference_mode()
@@ -157,11 +183,13 @@ class BatchDecoder:
             batch.token_logprobs[:, 1:] = -F.cross_entropy(
                 input=logits[:, :-1].transpose(1, 2), target=tokens[:, 1:], reduction="none", ignore_index=pad_id
             )
-        prev_pos = 0
+        prev_pos = batch.reused
         for cur_pos in range(batch.cur_pos, total_len):
             if self.decode_step is not None and cur_pos - prev_pos == 1:
                 position = torch.tensor([prev_pos], device=self.device)
                 logits = self.decode_step(tokens[:, prev_pos:cur_pos], position)
+                for row, token in enumerate(tokens[:, prev_pos].tolist()):  # `forward` records its own writes
+                    self.model.cached.wrote(row, prev_pos, [token])
             else:
                 logits = self.model.forward(tokens[:, prev_pos:cur_pos], prev_pos, last_logits_only=not want_logprobs)
             next_token = sample_next(logits[:, -1], temperature, top_p).reshape(-1)

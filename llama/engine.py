@@ -6,32 +6,36 @@ one decode step over the rows in use (`RuntimeTransformer.decode_step` with a po
 prompts, oldest first, each through the model in its own row alone, up to `prefill_chunk` tokens in all. A long
 prompt is so spread over several steps, and the requests already running go on meanwhile.
 
+A row keeps its keys and values when its request ends (`RuntimeTransformer.cached` says which tokens it holds). With
+`prefix_cache`, a new request gets a free row where it overwrites nothing the row holds, the one that holds the most
+of its prompt (a conversation's next turn finds its own row), else an empty one; where every free row would lose
+tokens, the one used least recently. Before each prompt chunk, the longest start of the prompt that any row holds
+is copied from it (`RuntimeTransformer.copy_cached`), which is far cheaper than running it again: requests that
+share a few-shot context or a system prompt run it once, whichever rows they are given.
+
 Each request samples with its own temperature, top_p and `torch.Generator`, as `Llama.generate` samples a batch of
 one: greedy requests get the tokens they would get alone (up to the rounding of a batched product), and a seeded
 request its own draws whatever else runs beside it.
 
 Under torchrun every process holds a share of the model and must run each step with the others: the process of
 rank 0 plans the step, sends the `Plan` to the others (`PlanChannel`), and all of them run it (`run_plan`); only
-rank 0 samples. The others loop in `follow_plans`.
+rank 0 samples. The others loop in `follow_plans`. Those three live in `llama.engine_plan`.
 """
 
 import collections
 import itertools
 import threading
 import traceback
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
+from llama.engine_plan import Plan, PlanChannel, run_plan
 from llama.runtime import DecodeStep, RuntimeTransformer
+from llama.runtime.cached_tokens import common_prefix_length
 from llama.sampling import sample_next
 from llama.tokenizer import Tokenizer, stop_reason
-
-# A server idles between requests for as long as it likes: the plan broadcast gets its own, patient group.
-IDLE_TIMEOUT = timedelta(days=7)
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Output:
     logprob: Optional[float] = None  # the token's log-probability under the model's logits (no temperature)
     top_logprobs: Optional[List[Tuple[int, float]]] = None  # the most likely tokens and theirs, when asked for
     finish: Optional[str] = None  # "end_of_turn", "end_of_message", "length"; "error", "cancelled" (shutdown)
+    cached_tokens: int = 0  # of a token or a stop: the request's prompt tokens reused from the KV cache
 
 
 @dataclass
@@ -56,6 +61,7 @@ class Request:
     seed: Optional[int] = None  # None: draws from a generator seeded at random
     top_logprobs: Optional[int] = None  # None: no logprobs; k: each token's logprob and the k likeliest
     cancelled: bool = False
+    cached_tokens: int = 0  # set by the engine: prompt tokens whose keys and values it reused rather than computed
 
 
 class QueueFull(Exception):
@@ -81,66 +87,6 @@ class Row:
         return len(self.request.prompt) + self.generated - 1
 
 
-@dataclass
-class Plan:
-    """One step's work for the model, the same in every process. Rows beyond the decode lists, and rows of the
-    decode lists with nothing to decode, compute nothing anyone reads (see `Engine.plan`)."""
-
-    decode_tokens: List[int] = field(default_factory=list)  # one per row 0..n-1 (empty: no decode step)
-    decode_positions: List[int] = field(default_factory=list)
-    decode_rows: List[int] = field(default_factory=list)  # those of rows 0..n-1 whose logits are wanted
-    prefills: List[Tuple[int, int, List[int]]] = field(default_factory=list)  # (row, start position, prompt chunk)
-    stop: bool = False  # the server is shutting down: followers return
-
-
-@torch.inference_mode()
-def run_plan(
-    model: RuntimeTransformer, decode_step: Optional[DecodeStep], plan: Plan
-) -> Tuple[Dict[int, torch.Tensor], List[torch.Tensor]]:
-    """Run one step: the decode rows (through `decode_step`; None: eagerly), then the prompt chunks. Returns the
-    next-token logits (vocab_size,) of each of plan.decode_rows, by row, and the last logits of each chunk."""
-    device = model.tok_embeddings.weight.device
-    decode_logits, prefill_logits = {}, []
-    if len(plan.decode_rows) == 1 and decode_step is None:
-        # One request decoding alone, eagerly: the step Llama.generate takes (`forward` from an int position), so
-        # that its tokens are generate's in every dtype. The batched step rounds otherwise in bfloat16.
-        (row,) = plan.decode_rows
-        token = torch.tensor([[plan.decode_tokens[row]]], dtype=torch.long, device=device)  # (1, 1)
-        logits = model.forward(token, plan.decode_positions[row], last_logits_only=True, first_row=row)
-        decode_logits[row] = logits[0, -1]
-    elif plan.decode_rows:
-        tokens = torch.tensor(plan.decode_tokens, dtype=torch.long, device=device)[:, None]  # (n, 1)
-        positions = torch.tensor(plan.decode_positions, dtype=torch.long, device=device)  # (n,)
-        logits = (decode_step or model.decode_step)(tokens, positions)[:, -1]
-        decode_logits = {i: logits[i] for i in plan.decode_rows}  # views: no copy of the (n, vocab_size) logits
-    for row, start, chunk in plan.prefills:
-        # After the decode step, whose write at this row's position (an input nobody reads) this chunk overwrites.
-        tokens = torch.tensor([chunk], dtype=torch.long, device=device)  # (1, len(chunk))
-        prefill_logits.append(model.forward(tokens, start, last_logits_only=True, first_row=row)[0, -1])
-    return decode_logits, prefill_logits
-
-
-class PlanChannel:
-    """Rank 0's plans, broadcast to every process of the torchrun job."""
-
-    def __init__(self):
-        self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-
-    def send(self, plan: Plan) -> None:
-        dist.broadcast_object_list([plan], src=0, group=self.group)
-
-    def receive(self) -> Plan:
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
-
-
-def follow_plans(model: RuntimeTransformer, decode_step: Optional[DecodeStep], channel: PlanChannel) -> None:
-    """Run rank 0's plans in this process until it sends the stop."""
-    while not (plan := channel.receive()).stop:
-        run_plan(model, decode_step, plan)
-
-
 class Engine:
     """Serves requests from the rows of `model`'s KV cache (its max_batch_size), in a thread of its own (`run`).
 
@@ -154,6 +100,8 @@ class Engine:
         fixed_batch: Decode every row at every step, so the step's shapes never change (for torch.compile);
             otherwise the rows up to the last one in use.
         channel: Under torchrun, where the plans go to the other processes.
+        prefix_cache: Reuse the keys and values that rows hold from earlier requests (see the module); False
+            prefills every prompt from its first token.
     """
 
     def __init__(
@@ -165,12 +113,17 @@ class Engine:
         prefill_chunk: int = 512,
         fixed_batch: bool = False,
         channel: Optional[PlanChannel] = None,
+        prefix_cache: bool = True,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.decode_step = decode_step
         self.max_queue, self.prefill_chunk, self.fixed_batch = max_queue, prefill_chunk, fixed_batch
         self.channel = channel
+        self.prefix_cache = prefix_cache
         self.rows: List[Optional[Row]] = [None] * model.params.max_batch_size
+        self.last_used = [0] * model.params.max_batch_size  # when each row last took or ended a request
+        self.uses = itertools.count(1)
+        self.reused = 0  # prompt tokens reused since the start
         self.waiting: collections.deque = collections.deque()
         self.wakeup = threading.Condition()
         self.stopping = False
@@ -207,11 +160,17 @@ class Engine:
             self.wakeup.notify()
 
     def load(self) -> dict:
-        """Rows in use and free, requests waiting, and tokens sampled so far."""
+        """Rows in use and free, requests waiting, tokens sampled so far and prompt tokens reused so far."""
         with self.wakeup:
             running = sum(row is not None for row in self.rows)
             free = len(self.rows) - running
-            return {"running": running, "free_rows": free, "waiting": len(self.waiting), "sampled_tokens": self.sampled}
+            return {
+                "running": running,
+                "free_rows": free,
+                "waiting": len(self.waiting),
+                "sampled_tokens": self.sampled,
+                "reused_prompt_tokens": self.reused,
+            }
 
     def run(self) -> None:
         """Step while there is work, until `stop`; then tell the other processes to stop too."""
@@ -256,46 +215,91 @@ class Engine:
             if row.prefilled == len(row.request.prompt):
                 self.sample(i, row, logits)
 
+    def release(self, i: int) -> None:
+        """Free row i; its keys and values stay for a later request."""
+        self.rows[i] = None
+        self.last_used[i] = next(self.uses)
+
     def release_cancelled(self) -> None:
         self.waiting = collections.deque(r for r in self.waiting if not r.cancelled)
         for i, row in enumerate(self.rows):
             if row is not None and row.request.cancelled:
-                self.rows[i] = None
+                self.release(i)
 
     def admit(self) -> None:
-        for i in range(len(self.rows)):
-            if self.rows[i] is None and self.waiting:
-                request = self.waiting.popleft()
-                generator = torch.Generator(self.model.tok_embeddings.weight.device)  # where the logits are drawn
-                if request.seed is None:
-                    generator.seed()
-                else:
-                    generator.manual_seed(request.seed)
-                self.rows[i] = Row(request, generator, admitted=next(self.arrivals))
+        """Give free rows to waiting requests, oldest first (see the module for which row)."""
+        while self.waiting and None in self.rows:
+            request = self.waiting.popleft()
+            free = [i for i, row in enumerate(self.rows) if row is None]
+            reusable = {i: self.reusable(i, request.prompt) for i in free}
+            i = max(free, key=lambda i: (self.held_whole(i, request.prompt), reusable[i], -self.last_used[i]))
+            generator = torch.Generator(self.model.tok_embeddings.weight.device)  # where the logits are drawn
+            if request.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(request.seed)
+            self.rows[i] = Row(request, generator, admitted=next(self.arrivals), prefilled=reusable[i])
+            self.last_used[i] = next(self.uses)
+            self.reuse(request, reusable[i])
+
+    def held_whole(self, i: int, prompt: List[int]) -> bool:
+        """Whether `prompt` begins with all that row i holds, so that running it there loses nothing."""
+        held = self.model.cached[i]
+        return self.prefix_cache and prompt[: len(held)] == held
+
+    def reusable(self, i: int, prompt: List[int]) -> int:
+        """Tokens at the start of `prompt` that row i holds (0 without prefix_cache)."""
+        return self.model.cached.reusable(i, prompt) if self.prefix_cache else 0
+
+    def reuse(self, request: Request, tokens: int) -> None:
+        request.cached_tokens += tokens
+        self.reused += tokens
+
+    def copy_longer_prefix(self, plan: Plan, i: int) -> None:
+        """Where another row holds more of row i's prompt than row i, plan to copy it before row i's next chunk."""
+        row = self.rows[i]
+        held = {j: self.reusable(j, row.request.prompt) for j in range(len(self.rows)) if j != i}
+        source = max(held, key=held.get, default=None)
+        if source is not None and held[source] > row.prefilled:
+            plan.copies.append((source, i, row.prefilled, held[source]))  # row i holds the tokens before
+            self.reuse(row.request, held[source] - row.prefilled)
+            row.prefilled = held[source]
 
     def plan(self) -> Plan:
         """Decode every row that has a sampled token; prefill the oldest unfinished prompts, prefill_chunk tokens in
         all."""
         plan = Plan()
+        prefilling = sorted((row.admitted, i) for i, row in enumerate(self.rows) if row and row.next_token is None)
+        for _, i in prefilling:
+            self.copy_longer_prefix(plan, i)
         decoding = [i for i, row in enumerate(self.rows) if row is not None and row.next_token is not None]
         if decoding:
             n = len(self.rows) if self.fixed_batch else decoding[-1] + 1
             plan.decode_rows = decoding
-            for row in self.rows[:n]:
-                # A row with nothing to decode gets token 0 at its next free position (0 when free): it writes
-                # there what its own prompt or token overwrites before the row ever attends to it.
+            for i, row in enumerate(self.rows[:n]):
+                # A row with nothing to decode gets token 0 at its next free position (when free, the one after the
+                # tokens it holds): it writes there what its own prompt or token overwrites before the row ever
+                # attends to it, and leaves the tokens before it in place for a later request.
                 plan.decode_tokens.append(row.next_token if row is not None and row.next_token is not None else 0)
-                plan.decode_positions.append(row.position if row is not None else 0)
-        prefilling = sorted((row.admitted, i) for i, row in enumerate(self.rows) if row and row.next_token is None)
+                free_position = min(len(self.model.cached[i]), self.max_seq_len - 1)
+                plan.decode_positions.append(row.position if row is not None else free_position)
         budget = self.prefill_chunk
-        for _, i in prefilling:
+        for n, (_, i) in enumerate(prefilling):
             if budget == 0:
                 break
             row = self.rows[i]
+            if self.prefix_cache and self.runs_later_in_older_row(row, [self.rows[j] for _, j in prefilling[:n]]):
+                continue  # copied once an older row has run it
             chunk = row.request.prompt[row.prefilled : row.prefilled + budget]
             plan.prefills.append((i, row.prefilled, chunk))
             budget -= len(chunk)
         return plan
+
+    @staticmethod
+    def runs_later_in_older_row(row: Row, older: List[Row]) -> bool:
+        """Whether an older row still prefilling will run the next tokens of `row`'s prompt itself."""
+        prompt = row.request.prompt
+        return any(common_prefix_length(other.request.prompt, prompt) > row.prefilled for other in older)
 
     def sample(self, i: int, row: Row, logits: torch.Tensor) -> None:
         """Draw row i's next token from its logits (vocab_size,), hand it to the request, and free the row when
@@ -305,10 +309,10 @@ class Engine:
         row.generated += 1
         self.sampled += 1
         if token in self.tokenizer.stop_tokens:
-            request.emit(Output(finish=stop_reason(self.tokenizer, token)))
-            self.rows[i] = None
+            request.emit(Output(finish=stop_reason(self.tokenizer, token), cached_tokens=request.cached_tokens))
+            self.release(i)
             return
-        output = Output(token=token)
+        output = Output(token=token, cached_tokens=request.cached_tokens)
         if request.top_logprobs is not None:
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             output.logprob = float(logprobs[token])
@@ -317,8 +321,8 @@ class Engine:
                 output.top_logprobs = list(zip(tokens.tolist(), values.tolist()))
         request.emit(output)
         if row.generated >= request.max_tokens:
-            request.emit(Output(finish="length"))
-            self.rows[i] = None
+            request.emit(Output(finish="length", cached_tokens=request.cached_tokens))
+            self.release(i)
         else:
             row.next_token = token
 
@@ -327,4 +331,4 @@ class Engine:
             for i, row in enumerate(self.rows):
                 if row is not None:
                     row.request.emit(Output(finish="error"))
-                    self.rows[i] = None
+                    self.release(i)

@@ -13,7 +13,7 @@ import torch
 
 from llama.checkpoint import LoadReport, load_checkpoint
 from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from llama.completions import assistant_message, encode_dialogs, encode_prompts, token_logprobs
+from llama.completions import chat_prediction, completion_prediction, encode_dialogs, encode_prompts
 from llama.decoding import BatchDecoder, StopReason
 from llama.progress import AnnouncedCompiles, Speed, Stopwatch
 from llama.runtime import DecodeStep, RuntimeTransformer, compiled_decode_step, for_runtime
@@ -56,6 +56,7 @@ class Llama(StreamingCompletions):
         compile: bool = False,
         quantize: Optional[str] = None,
         cuda_graphs: bool = True,
+        prefix_cache: bool = True,
     ) -> "Llama":
         """Load a checkpoint and its tokenizer into a generator, in this process's share of the model.
 
@@ -80,6 +81,9 @@ class Llama(StreamingCompletions):
             cuda_graphs: On one CUDA GPU without `compile`, replay each batch size's decode step as a CUDA graph
                 (`llama.cuda_graphs`): the eager step's logits bit for bit, one launch instead of hundreds. False
                 decodes eagerly, as the reference does.
+            prefix_cache: Keep the KV cache between calls and run only what a prompt adds to what its row holds
+                (a chat's next turn: its new message). A prompt run in two pieces rounds otherwise in bfloat16
+                (docs/chat.md). False runs every prompt whole, as the reference does.
 
         Returns:
             The generator. It prints nothing (the reference prints "Loaded in X seconds"): its `load_report` says what
@@ -106,6 +110,7 @@ class Llama(StreamingCompletions):
         mp_size = fs_init.get_model_parallel_world_size()
         runtime, decode_step = for_runtime(model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size)
         generator = Llama(runtime, tokenizer, decode_step)
+        generator.decoder.prefix_cache = prefix_cache
         report.seconds = time.time() - start  # with the runtime's choices
         generator.load_report = report
         return generator
@@ -190,12 +195,8 @@ class Llama(StreamingCompletions):
         generation_tokens, generation_logprobs = self.generate(
             encode_prompts(self.tokenizer, prompts), max_gen_len, temperature, top_p, logprobs, echo
         )
-        results: List[CompletionPrediction] = []
-        for i, t in enumerate(generation_tokens):
-            results.append({"generation": self.tokenizer.decode(t)})
-            if logprobs:
-                results[-1].update(token_logprobs(self.tokenizer, t, generation_logprobs[i]))
-        return results
+        per_row = generation_logprobs or [None] * len(generation_tokens)
+        return [completion_prediction(self.tokenizer, t, p) for t, p in zip(generation_tokens, per_row)]
 
     @torch.inference_mode()
     def chat_completion(
@@ -229,10 +230,5 @@ class Llama(StreamingCompletions):
             prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p, logprobs, echo=False
         )
         self.last_speed = stopwatch.speed(sum(len(t) for t in generation_tokens))
-        results: List[ChatPrediction] = []
-        for t, logprobs_i, reason in zip(generation_tokens, generation_logprobs, stop_reasons):
-            results.append({"generation": assistant_message(self.formatter, t, reason)})
-            if logprobs:
-                results[-1].update(token_logprobs(self.tokenizer, t, logprobs_i))
-            results[-1]["stop_reason"] = reason
-        return results
+        rows = zip(generation_tokens, generation_logprobs, stop_reasons)
+        return [chat_prediction(self.formatter, t, p, reason) for t, p, reason in rows]

@@ -46,17 +46,20 @@ def compile_seconds(step) -> float:
 
 @dataclass
 class Speed:
-    """New tokens generated and the seconds that took, compiling left out."""
+    """New tokens generated and the seconds that took, compiling left out, and the prompt tokens whose keys and
+    values were already cached (all rows together)."""
 
     tokens: int
     seconds: float
+    reused: int = 0
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / max(self.seconds, 1e-9)
 
     def __str__(self) -> str:
-        return f"[{self.tokens} tokens in {self.seconds:.1f} s, {self.tokens_per_second:.1f} tokens/s]"
+        reused = f", {self.reused} prompt tokens reused" if self.reused else ""
+        return f"[{self.tokens} tokens in {self.seconds:.1f} s, {self.tokens_per_second:.1f} tokens/s{reused}]"
 
 
 class Stopwatch:
@@ -69,4 +72,4 @@ class Stopwatch:
 
     def speed(self, tokens: int) -> Speed:
         compiling = compile_seconds(self.decoder.decode_step) - self.compiled_before
-        return Speed(tokens, time.perf_counter() - self.start - compiling)
+        return Speed(tokens, time.perf_counter() - self.start - compiling, sum(self.decoder.last_reused))

@@ -35,6 +35,12 @@ def parse_args(argv: Optional[List[str]], prog: Optional[str] = None) -> argpars
     parser.add_argument("--prefill_chunk", type=int, default=512, help="most prompt tokens run in one step")
     parser.add_argument("--quantize", choices=["int8", "int4"], help="quantize the weights as they load")
     parser.add_argument("--compile", action="store_true", help="decode with a torch.compile'd step")
+    parser.add_argument(
+        "--noprefix_cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="prefill every prompt in full (default: reuse the start of a prompt that a cache row already holds)",
+    )
     parser.add_argument("--device", help='"cuda", "cpu", ... (default: CUDA when available)')
     parser.add_argument("--dtype", help='"bfloat16", "float16" or "float32" (default: per device)')
     parser.add_argument(
@@ -78,7 +84,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
     import uvicorn
 
     from llama import Llama
-    from llama.engine import Engine, PlanChannel, follow_plans
+    from llama.engine import Engine
+    from llama.engine_plan import PlanChannel, follow_plans
     from llama.serve_http import Service, create_app
 
     with user_errors(vars(args)):
@@ -91,6 +98,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
             dtype=args.dtype,
             compile=args.compile,
             quantize=args.quantize,
+            prefix_cache=args.prefix_cache,
         )
     print(generator.load_report, file=rank0_stream(sys.stderr), flush=True)
     channel = PlanChannel() if dist.is_initialized() and dist.get_world_size() > 1 else None
@@ -106,6 +114,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
         args.prefill_chunk,
         fixed_batch=args.compile,
         channel=channel,
+        prefix_cache=args.prefix_cache,
     )
     name = args.model_name or Path(args.ckpt_dir).resolve().name
     app = create_app(Service(engine, generator.tokenizer, name), args.api_key)

@@ -234,6 +234,7 @@ class Answer:
         self.text = AnswerText(service.tokenizer, body.stop_strings())
         self.id = f"{self.kind}-{secrets.token_hex(12)}"
         self.prompt_tokens, self.sampled = prompt_tokens, 0
+        self.cached_tokens = 0  # of the prompt's, reused from the server's KV cache
 
     async def pieces(self, outputs: AsyncIterator[Output]) -> AsyncIterator[Tuple[str, List[Output], Optional[str]]]:
         """(new text, the outputs it came from, finish_reason or None) per token, the finish last. Leaving, for a
@@ -245,6 +246,7 @@ class Answer:
                         500 if output.finish == "error" else 503,
                         "The request was stopped by a fault or a shutdown of the server",
                     )
+                self.cached_tokens = output.cached_tokens
                 if output.finish is not None:
                     self.sampled += output.finish in STOP_TOKEN_REASONS.values()  # it ended at a stop token
                     yield self.text.flush(), [], finish_reason(output.finish)
@@ -260,7 +262,12 @@ class Answer:
 
     def usage(self) -> dict:
         total = self.prompt_tokens + self.sampled
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.sampled, "total_tokens": total}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.sampled,
+            "total_tokens": total,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
     def envelope(self, obj: str, choices: list) -> dict:
         return {

@@ -216,15 +216,19 @@ class ScriptedModel(torch.nn.Module):
 
     def __init__(self, script, vocab_size, max_seq_len=64, prompt_len=0):
         from llama.model import ModelArgs
+        from llama.runtime.cached_tokens import CachedTokens
 
         super().__init__()
         self.params = ModelArgs(dim=8, n_heads=1, vocab_size=vocab_size, max_seq_len=max_seq_len, max_batch_size=4)
         self.tok_embeddings = torch.nn.Embedding(1, 1)
         self.script = script
         self.prompt_len = prompt_len
+        self.cached = CachedTokens(4)  # what `RuntimeTransformer.forward` keeps: the tokens each row has seen
 
     def forward(self, tokens, start_pos, last_logits_only=False):
         bsz, seqlen = tokens.shape
+        for row, row_tokens in enumerate(tokens.tolist()):
+            self.cached.wrote(row, start_pos, row_tokens)
         logits = torch.zeros(bsz, seqlen, self.params.vocab_size)
         for row in range(bsz):
             for i in range(seqlen):

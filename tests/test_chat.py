@@ -13,6 +13,8 @@ import pytest
 from helpers import on_a_terminal, read_until, wait_for_exit
 
 from llama.chat import ChatSession, run_chat
+from llama.runtime.cached_tokens import common_prefix_length
+from llama.tokenizer import ChatFormat, Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,7 +47,17 @@ def test_scripted_session_through_stdin(tiny_checkpoint, tokenizer_path):
     out = result.stdout
     assert out.count("Assistant: ") == 2  # two questions answered; the empty line asked nothing
     assert "[history cleared]" in out
-    assert len(re.findall(r"\[6 tokens in [\d.]+ s, [\d.]+ tokens/s\]", out)) == 2
+    speeds = re.findall(r"\[6 tokens in [\d.]+ s, [\d.]+ tokens/s(?:, (\d+) prompt tokens reused)?\]", out)
+    assert len(speeds) == 2
+    # After /reset, the second question reused the cache up to where it differs from the first: the system prompt
+    # and the user header (the first answer had nothing cached).
+    formatter = ChatFormat(Tokenizer(tokenizer_path))
+    system = {"role": "system", "content": "Be brief"}
+    first, second = (
+        formatter.encode_dialog_prompt([system, {"role": "user", "content": text}])
+        for text in ("Hello there", "What is the capital of France?")
+    )
+    assert speeds == ["", str(common_prefix_length(first, second))]
     assert out.rstrip().endswith("User:")  # /exit ended the session before the last line was read
 
 

@@ -2,7 +2,8 @@
 
 The stand-in model predicts, at every position, the token after the one there (token + 1), so each output is
 known in advance and every rule of batch decoding can be checked exactly: the prompts' layout, which positions
-are fed at each step, the rows that keep their prompt tokens, the cut at a stop token, and streaming.
+are fed at each step, the rows that keep their prompt tokens, the cut at a stop token, streaming, and the prefix of
+a prompt that the cache already holds from the call before.
 """
 
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from llama import StreamChunk
 from llama.decoding import BatchDecoder
 from llama.model import ModelArgs
+from llama.runtime.cached_tokens import CachedTokens
 
 VOCAB = 32
 STOP = 20  # the stand-in tokenizer's only stop token
@@ -27,9 +29,12 @@ class CountingModel:
                                 max_batch_size=max_batch_size)  # fmt: skip
         self.tok_embeddings = SimpleNamespace(weight=torch.zeros(1))
         self.fed = []  # (start_pos, number of positions) of every call
+        self.cached = CachedTokens(max_batch_size)  # what `RuntimeTransformer.forward` keeps up to date
 
     def forward(self, tokens: torch.Tensor, start_pos: int, last_logits_only: bool = False) -> torch.Tensor:
         self.fed.append((start_pos, tokens.shape[1]))
+        for row, row_tokens in enumerate(tokens.tolist()):
+            self.cached.wrote(row, start_pos, row_tokens)
         logits = 10.0 * F.one_hot((tokens + 1) % VOCAB, VOCAB).float()
         return logits[:, -1:] if last_logits_only else logits
 
@@ -121,3 +126,47 @@ def test_sample_next_falls_back_to_greedy_only_in_rows_that_overflow():
     ours = sample_next(logits, 0.6, 0.9)
     torch.manual_seed(5)
     assert torch.equal(ours, sample_top_p(torch.softmax(logits / 0.6, dim=-1), 0.9))
+
+
+def test_a_prompt_that_repeats_the_last_call_runs_only_its_new_tokens():
+    model = CountingModel(max_seq_len=32)
+    decoder = BatchDecoder(model, tokenizer())
+    out, _, _ = decoder.run([[1, 2, 3]], 4, 0, 0.9, False, False)  # the cache holds 1 2 3 4 5 6 (7 is not fed)
+    model.fed.clear()
+    again, _, _ = decoder.run([[1, 2, 3] + out[0] + [9, 10]], 2, 0, 0.9, False, False)
+    assert again == [[11, 12]]
+    assert model.fed[0] == (6, 3)  # 7, 9 and 10: the cache held the six before
+    assert decoder.last_reused == [6]
+
+
+def test_an_edited_prompt_runs_from_its_first_changed_token():
+    model = CountingModel(max_seq_len=32)
+    decoder = BatchDecoder(model, tokenizer())
+    decoder.run([[1, 2, 3, 4, 5]], 2, 0, 0.9, False, False)
+    model.fed.clear()
+    out, _, _ = decoder.run([[1, 2, 8, 9]], 2, 0, 0.9, False, False)
+    assert out == [[10, 11]]
+    assert model.fed[0] == (2, 2)
+
+
+def test_a_batch_starts_where_every_row_holds_its_prompt():
+    model = CountingModel(max_seq_len=32)
+    decoder = BatchDecoder(model, tokenizer())
+    decoder.run([[1, 2, 3, 4], [5, 6]], 1, 0, 0.9, False, False)  # the rows hold 1 2 3 4 and 5 6 7 8
+    model.fed.clear()
+    decoder.run([[1, 2, 3, 4, 5, 6], [5, 6, 9, 10]], 1, 0, 0.9, False, False)
+    assert model.fed[0] == (2, 2)  # row 1 holds two tokens of its prompt, row 0 four: both from position 2
+    assert decoder.last_reused == [2, 2]
+
+
+def test_the_whole_prompt_runs_without_prefix_cache_or_with_echoed_logprobs():
+    model = CountingModel(max_seq_len=32)
+    for decoder, logprobs in [(BatchDecoder(model, tokenizer(), prefix_cache=False), False),
+                              (BatchDecoder(model, tokenizer()), True)]:  # fmt: skip
+        decoder.run([[1, 2, 3]], 2, 0, 0.9, False, False)
+        model.fed.clear()
+        out, probs, _ = decoder.run([[1, 2, 3, 4]], 2, 0, 0.9, logprobs, echo=True)
+        assert model.fed[0] == (0, 4)
+        assert out == [[1, 2, 3, 4, 5, 6]]
+        if logprobs:
+            assert probs[0][0] == 0 and all(p < 0 for p in probs[0][1:])  # each prompt token after the first scored

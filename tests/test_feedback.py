@@ -58,7 +58,7 @@ def test_compiling_is_announced_once_per_batch_size_and_left_out_of_the_speed(ca
             compiled.add(tokens.shape[0])
         return tokens
 
-    decoder = type("Decoder", (), {"decode_step": AnnouncedCompiles(step)})()
+    decoder = type("Decoder", (), {"decode_step": AnnouncedCompiles(step), "last_reused": []})()
     stopwatch = Stopwatch(decoder)
     for bsz in (1, 1, 4, 1):
         decoder.decode_step(torch.zeros(bsz, 1), torch.tensor([0]))

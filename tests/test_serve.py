@@ -165,6 +165,31 @@ def test_stop_string_cuts_the_answer(client):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == full[: full.index(stop)]
 
 
+def test_a_conversation_s_next_turns_reuse_the_cache_and_answer_as_generate(server, client, reference):
+    """Prefix reuse over HTTP: a second turn, an edited second turn and another conversation, each with the tokens
+    and logprobs `Llama.generate` gives the same prompt (in float32), and the reused tokens in `usage` and /health."""
+    before = server.health()["reused_prompt_tokens"]
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTIONS[1]}]
+    answer = client.chat.completions.create(model=MODEL, messages=first, max_tokens=12, temperature=0)
+    second = first + [dict(answer.choices[0].message.to_dict(), role="assistant"), {"role": "user", "content": "Why?"}]
+    edited = second[:-1] + [{"role": "user", "content": "How so?"}]
+    other = [{"role": "user", "content": QUESTIONS[3]}]
+    reused = 0
+    for messages in (second, edited, other):
+        tokens, logprobs = reference.generate([chat_prompt(reference, messages)], 12, temperature=0, logprobs=True)
+        got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                             logprobs=True)  # fmt: skip
+        assert got.choices[0].message.content == reference.tokenizer.decode(tokens[0])
+        assert [entry.logprob for entry in got.choices[0].logprobs.content] == pytest.approx(logprobs[0], abs=1e-4)
+        cached = got.usage.prompt_tokens_details.cached_tokens
+        if messages is other:  # shares only the start of any chat prompt with what the rows hold
+            assert cached < 10
+        else:  # the first turn's whole prompt, at least
+            assert cached >= len(chat_prompt(reference, first))
+        reused += cached
+    assert server.health()["reused_prompt_tokens"] - before == reused
+
+
 @pytest.mark.slow
 def test_requests_that_join_a_running_batch_get_their_solo_tokens(server, client, reference):
     """Six requests, started one after another while the others run (two wait for a row), greedy, with prompts

