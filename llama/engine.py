@@ -259,6 +259,8 @@ class Engine:
         """Where another row holds more of row i's prompt than row i, plan to copy it before row i's next chunk."""
         row = self.rows[i]
         held = {j: self.reusable(j, row.request.prompt) for j in range(len(self.rows)) if j != i}
+        for _, target, start, _ in plan.copies:  # a row copied into earlier in this step holds only what is before
+            held[target] = min(held[target], start)
         source = max(held, key=held.get, default=None)
         if source is not None and held[source] > row.prefilled:
             plan.copies.append((source, i, row.prefilled, held[source]))  # row i holds the tokens before

@@ -72,6 +72,12 @@ def main() -> None:
     greedy, _ = generator.generate(prompt_tokens, args.max_gen_len, temperature=0)
     # Fewer, shorter samples: on a CPU, sorting the 128256 probabilities each step costs more than the model.
     sampled, _ = generator.generate(prompt_tokens[:2], args.max_gen_len // 2, temperature=0.6, top_p=0.9)
+    # A next turn (each prompt, its greedy answer and a few more tokens), from what the cache holds, then cold.
+    turn = [p + g + p[1:4] for p, g in zip(prompt_tokens, greedy)]
+    warm, _ = generator.generate(turn, 4, temperature=0)
+    reused = generator.decoder.last_reused
+    generator.model.cached.forget()
+    cold, _ = generator.generate(turn, 4, temperature=0)
     for prompt, tokens in zip(PROMPTS, greedy):
         if rank == 0:  # every rank has the same tokens; the library leaves printing to its caller
             print(f"{prompt!r} -> {generator.tokenizer.decode(tokens)!r}")
@@ -79,7 +85,8 @@ def main() -> None:
         key: hashlib.sha256(tensor.float().contiguous().numpy().tobytes()).hexdigest()
         for key, tensor in generator.model.state_dict().items()
     }
-    result = {"rank": rank, "greedy": greedy, "sampled": sampled, "weights": weights}
+    next_turn = {"warm": warm, "cold": cold, "reused": reused}
+    result = {"rank": rank, "greedy": greedy, "sampled": sampled, "next_turn": next_turn, "weights": weights}
     if args.compile:  # how many graphs the compiled decode step became, and the reasons it was broken up
         result["compiled_graphs"] = counters["stats"]["unique_graphs"]
         result["graph_breaks"] = list(counters["graph_break"])

@@ -240,6 +240,8 @@ def two_processes(checkpoint, tokenizer_path, tmp_path_factory) -> Run:
 def test_two_processes_match_one_process(two_processes, reference):
     ranks = two_processes.results(2)
     assert ranks[0]["greedy"] == reference("gqa")["greedy"]
+    turn = ranks[0]["next_turn"]  # prefix reuse holds across processes: each holds the same tokens
+    assert min(turn["reused"]) > 0 and turn["warm"] == turn["cold"] == reference("gqa")["next_turn"]["cold"]
     assert_only_rank0_printed(two_processes)
 
 

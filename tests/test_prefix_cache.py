@@ -2,6 +2,7 @@
 tokens and logprobs of the same prompt run cold, through `Llama`'s calls and through the engine's rows. Over HTTP:
 tests/test_serve.py."""
 
+from types import SimpleNamespace
 from typing import List
 
 import pytest
@@ -12,7 +13,7 @@ from llama import Llama
 from llama.checkpoint import write_meta_checkpoint
 from llama.demo import random_weights
 from llama.engine import Engine, Output, Request
-from llama.runtime.cached_tokens import common_prefix_length
+from llama.runtime.cached_tokens import CachedTokens, common_prefix_length
 
 MAX_GEN = 10
 SYSTEM = {"role": "system", "content": "You are a helpful assistant who answers briefly."}
@@ -190,3 +191,27 @@ def test_without_prefix_cache_the_engine_runs_every_prompt_whole(warm, cold):
         assert outputs[-1].cached_tokens == 0
         assert tokens_of(outputs) == cold_tokens(cold, prompt)
     assert engine.load()["reused_prompt_tokens"] == 0
+
+
+def test_a_row_being_copied_into_is_no_source_for_the_tokens_it_loses():
+    """Row 0 holds an old dialog (S + A) and row 1 another (S + B + x). Request B' continues row 1's dialog but lands
+    in row 0 (the least recently used), so this step copies S + B's tail from row 1 over A. Request A', which
+    continues A, must not copy A from row 0 in the same step: it would get B's keys and values."""
+    model = SimpleNamespace(
+        params=SimpleNamespace(max_batch_size=3, max_seq_len=64),
+        cached=CachedTokens(3),
+        tok_embeddings=SimpleNamespace(weight=torch.zeros(1)),
+    )
+    system, a, b = list(range(1, 11)), list(range(20, 26)), list(range(30, 36))
+    model.cached.wrote(0, 0, system + a)
+    model.cached.wrote(1, 0, system + b + [99])
+    model.cached.wrote(2, 0, [7, 7, 7])
+    engine = Engine(model, SimpleNamespace(stop_tokens=set()))
+    engine.last_used = [1, 2, 3]
+    for prompt in (system + b + [40], system + a + [50]):
+        engine.submit(Request(prompt, 4, 0.0, 0.9, emit=lambda output: None))
+    engine.admit()
+    assert [row.request.prompt[-1] for row in engine.rows[:2]] == [40, 50]  # B' in row 0, A' in row 1
+    plan = engine.plan()
+    assert plan.copies == [(1, 0, 10, 16)]  # S + B from row 1 into row 0; nothing from row 0 for A'
+    assert engine.rows[1].prefilled == 10
