@@ -3,6 +3,7 @@ into the reference's shapes."""
 
 from typing import List, Optional
 
+from llama.structured import Grammar
 from llama.tokenizer import ChatFormat, Dialog, Message, StopReason, Tokenizer
 
 
@@ -66,3 +67,14 @@ def chat_prediction(
         prediction.update(token_logprobs(formatter.tokenizer, tokens, logprobs))
     prediction["stop_reason"] = stop_reason
     return prediction
+
+
+def constraints_for(
+    response_format: Optional[dict], tokenizer: Tokenizer, vocab_size: int, rows: int
+) -> Optional[list]:
+    """A grammar's constraint (`llama.structured.Constraint`) per row for an OpenAI-style `response_format`, or
+    None for free text."""
+    if response_format is None:
+        return None
+    grammar = Grammar.from_response_format(response_format, tokenizer, vocab_size)
+    return None if grammar is None else [grammar.start() for _ in range(rows)]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from llama.checks import check_sampling, checked_gen_len, token_id_list
 from llama.runtime import DecodeStep, RuntimeTransformer
 from llama.sampling import sample_next
+from llama.structured import Constraint
 from llama.tokenizer import StopReason, Tokenizer, ToolCall, stop_reason
 
 
@@ -41,6 +42,7 @@ class Batch:
     token_logprobs: Optional[torch.Tensor]  # (bsz, total_len), logprob of each token given those before
     eos_reached: torch.Tensor  # (bsz,)
     cur_pos: int = 0  # positions [0, cur_pos) are final
+    constraints: Optional[List[Optional[Constraint]]] = None  # a grammar per row for its output (llama.structured)
     reused: int = 0  # positions [0, reused) of every row were already in the KV cache: the model starts after them
 
 
@@ -83,10 +85,13 @@ class BatchDecoder:
         top_p: float,
         logprobs: bool,
         echo: bool,
+        constraints: Optional[List[Optional[Constraint]]] = None,
     ) -> Tuple[List[List[int]], List[Optional[List[float]]], List[StopReason]]:
-        """Decode the whole batch; each row's output, its logprobs (None without `logprobs`) and why it stopped."""
+        """Decode the whole batch; each row's output, its logprobs (None without `logprobs`) and why it stopped.
+        Row i's output follows `constraints[i]`, where given."""
         # With echo, logprobs are wanted from the prompt's second token on: every position must run.
         batch = self.start(prompt_tokens, max_gen_len, temperature, top_p, logprobs, reuse=not (logprobs and echo))
+        batch.constraints = constraints
         for _ in self.steps(batch, temperature, top_p):
             pass
         return self.finish(batch, max_gen_len, echo)
@@ -192,7 +197,7 @@ class BatchDecoder:
                     self.model.cached.wrote(row, prev_pos, [token])
             else:
                 logits = self.model.forward(tokens[:, prev_pos:cur_pos], prev_pos, last_logits_only=not want_logprobs)
-            next_token = sample_next(logits[:, -1], temperature, top_p).reshape(-1)
+            next_token = sample_next(self.allowed(batch, logits[:, -1], cur_pos), temperature, top_p).reshape(-1)
             # Rows whose prompt reaches this far keep their prompt token: the others' sample is not theirs.
             next_token = torch.where(is_prompt[:, cur_pos], tokens[:, cur_pos], next_token)
             tokens[:, cur_pos] = next_token
@@ -204,11 +209,29 @@ class BatchDecoder:
                     ignore_index=pad_id,
                 )
             batch.eos_reached |= (~is_prompt[:, cur_pos]) & torch.isin(next_token, stop_tokens)
+            for row, constraint in enumerate(batch.constraints or []):
+                if constraint is not None and cur_pos >= batch.prompt_lens[row]:
+                    constraint.advance(int(next_token[row]))
             batch.cur_pos = cur_pos + 1
             prev_pos = cur_pos
             yield batch
             if batch.eos_reached.all():
                 break
+
+    @staticmethod
+    def allowed(batch: Batch, logits: torch.Tensor, cur_pos: int) -> torch.Tensor:
+        """The next-token logits (bsz, vocab_size), those of rows under a grammar masked to what it allows."""
+        constrained = [
+            row
+            for row, constraint in enumerate(batch.constraints or [])
+            if constraint is not None and cur_pos >= batch.prompt_lens[row]
+        ]
+        if not constrained:
+            return logits
+        logits = logits.clone()
+        for row in constrained:
+            logits[row] = batch.constraints[row].mask(logits[row])
+        return logits
 
     def finish(
         self, batch: Batch, max_gen_len: int, echo: bool

@@ -26,7 +26,7 @@ import collections
 import itertools
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -35,6 +35,7 @@ from llama.engine_plan import Plan, PlanChannel, run_plan
 from llama.runtime import DecodeStep, RuntimeTransformer
 from llama.runtime.cached_tokens import common_prefix_length
 from llama.sampling import sample_next
+from llama.structured import Constraint
 from llama.tokenizer import Tokenizer, stop_reason
 
 
@@ -45,6 +46,9 @@ class Output:
     token: Optional[int] = None
     logprob: Optional[float] = None  # the token's log-probability under the model's logits (no temperature)
     top_logprobs: Optional[List[Tuple[int, float]]] = None  # the most likely tokens and theirs, when asked for
+    # Before the first token, for a request that scores its prompt: each prompt token's (logprob, top_logprobs),
+    # None for the first (nothing predicts it).
+    prompt_logprobs: Optional[List[Optional[Tuple[float, List[Tuple[int, float]]]]]] = None
     finish: Optional[str] = None  # "end_of_turn", "end_of_message", "length"; "error", "cancelled" (shutdown)
     cached_tokens: int = 0  # of a token or a stop: the request's prompt tokens reused from the KV cache
 
@@ -60,6 +64,8 @@ class Request:
     emit: Callable[[Output], None]
     seed: Optional[int] = None  # None: draws from a generator seeded at random
     top_logprobs: Optional[int] = None  # None: no logprobs; k: each token's logprob and the k likeliest
+    score_prompt: bool = False  # also each prompt token's logprob (and top_logprobs' likeliest): the whole prompt runs
+    constraint: Optional[Constraint] = None  # a grammar the answer must follow (`llama.structured`)
     cancelled: bool = False
     cached_tokens: int = 0  # set by the engine: prompt tokens whose keys and values it reused rather than computed
 
@@ -78,6 +84,7 @@ class Row:
     prefilled: int = 0  # prompt tokens in the cache
     generated: int = 0  # tokens sampled
     next_token: Optional[int] = None  # the last token sampled: the next decode step's input
+    prompt_logprobs: List[Optional[Tuple[float, List[Tuple[int, float]]]]] = field(default_factory=lambda: [None])
 
     @property
     def position(self) -> int:
@@ -141,7 +148,7 @@ class Engine:
             ValueError: When its prompt and max_tokens do not fit in max_seq_len.
             QueueFull: When max_queue requests are already waiting.
         """
-        if not request.prompt or len(request.prompt) + max(request.max_tokens, 1) > self.max_seq_len:
+        if not request.prompt or len(request.prompt) + request.max_tokens > self.max_seq_len:
             raise ValueError(
                 f"{len(request.prompt)} prompt tokens and max_tokens={request.max_tokens} exceed "
                 f"max_seq_len={self.max_seq_len}"
@@ -209,11 +216,26 @@ class Engine:
         decode_logits, prefill_logits = run_plan(self.model, self.decode_step, plan)
         for i, logits in decode_logits.items():
             self.sample(i, self.rows[i], logits)
-        for (i, _, chunk), logits in zip(plan.prefills, prefill_logits):
+        for (i, start, chunk, every_position), logits in zip(plan.prefills, prefill_logits):
             row = self.rows[i]
             row.prefilled += len(chunk)
+            if every_position:
+                row.prompt_logprobs += scores(logits, row.request.prompt[start + 1 : start + len(chunk) + 1],
+                                              row.request.top_logprobs or 0)  # fmt: skip
+                logits = logits[-1]
             if row.prefilled == len(row.request.prompt):
-                self.sample(i, row, logits)
+                self.prompt_done(i, row, logits)
+
+    def prompt_done(self, i: int, row: Row, logits: torch.Tensor) -> None:
+        """Row i's prompt has run: send its scores if asked for, then its first token (`sample`), or finish."""
+        request = row.request
+        if request.score_prompt:
+            request.emit(Output(prompt_logprobs=row.prompt_logprobs, cached_tokens=request.cached_tokens))
+        if request.max_tokens == 0:
+            request.emit(Output(finish="length", cached_tokens=request.cached_tokens))
+            self.release(i)
+        else:
+            self.sample(i, row, logits)
 
     def release(self, i: int) -> None:
         """Free row i; its keys and values stay for a later request."""
@@ -231,8 +253,9 @@ class Engine:
         while self.waiting and None in self.rows:
             request = self.waiting.popleft()
             free = [i for i, row in enumerate(self.rows) if row is None]
-            reusable = {i: self.reusable(i, request.prompt) for i in free}
-            i = max(free, key=lambda i: (self.held_whole(i, request.prompt), reusable[i], -self.last_used[i]))
+            reusable = {i: self.reusable(i, request) for i in free}
+            whole = {i: self.held_whole(i, request.prompt) for i in free}
+            i = max(free, key=lambda i: (whole[i], reusable[i] if whole[i] else 0, -self.last_used[i]))
             generator = torch.Generator(self.model.tok_embeddings.weight.device)  # where the logits are drawn
             if request.seed is None:
                 generator.seed()
@@ -247,9 +270,12 @@ class Engine:
         held = self.model.cached[i]
         return self.prefix_cache and prompt[: len(held)] == held
 
-    def reusable(self, i: int, prompt: List[int]) -> int:
-        """Tokens at the start of `prompt` that row i holds (0 without prefix_cache)."""
-        return self.model.cached.reusable(i, prompt) if self.prefix_cache else 0
+    def reusable(self, i: int, request: Request) -> int:
+        """Tokens at the start of `request`'s prompt that row i holds (0 without prefix_cache, or where the whole
+        prompt must run to be scored)."""
+        if not self.prefix_cache or request.score_prompt:
+            return 0
+        return self.model.cached.reusable(i, request.prompt)
 
     def reuse(self, request: Request, tokens: int) -> None:
         request.cached_tokens += tokens
@@ -258,7 +284,7 @@ class Engine:
     def copy_longer_prefix(self, plan: Plan, i: int) -> None:
         """Where another row holds more of row i's prompt than row i, plan to copy it before row i's next chunk."""
         row = self.rows[i]
-        held = {j: self.reusable(j, row.request.prompt) for j in range(len(self.rows)) if j != i}
+        held = {j: self.reusable(j, row.request) for j in range(len(self.rows)) if j != i}
         for _, target, start, _ in plan.copies:  # a row copied into earlier in this step holds only what is before
             held[target] = min(held[target], start)
         source = max(held, key=held.get, default=None)
@@ -290,10 +316,11 @@ class Engine:
             if budget == 0:
                 break
             row = self.rows[i]
-            if self.prefix_cache and self.runs_later_in_older_row(row, [self.rows[j] for _, j in prefilling[:n]]):
+            older = [self.rows[j] for _, j in prefilling[:n]]
+            if self.prefix_cache and not row.request.score_prompt and self.runs_later_in_older_row(row, older):
                 continue  # copied once an older row has run it
             chunk = row.request.prompt[row.prefilled : row.prefilled + budget]
-            plan.prefills.append((i, row.prefilled, chunk))
+            plan.prefills.append((i, row.prefilled, chunk, row.request.score_prompt))
             budget -= len(chunk)
         return plan
 
@@ -307,7 +334,10 @@ class Engine:
         """Draw row i's next token from its logits (vocab_size,), hand it to the request, and free the row when
         the request is done."""
         request = row.request
-        token = int(sample_next(logits[None], request.temperature, request.top_p, row.generator))
+        allowed = logits if request.constraint is None else request.constraint.mask(logits)
+        token = int(sample_next(allowed[None], request.temperature, request.top_p, row.generator))
+        if request.constraint is not None:
+            request.constraint.advance(token)
         row.generated += 1
         self.sampled += 1
         if token in self.tokenizer.stop_tokens:
@@ -334,3 +364,13 @@ class Engine:
                 if row is not None:
                     row.request.emit(Output(finish="error"))
                     self.release(i)
+
+
+def scores(logits: torch.Tensor, targets: List[int], top: int) -> List[Tuple[float, List[Tuple[int, float]]]]:
+    """Each target token's logprob under the logits of the position before it, with the `top` likeliest tokens and
+    theirs: `logits` (positions, vocab_size), one position per target (the last position may have none)."""
+    logprobs = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+    rows = torch.arange(len(targets), device=logits.device)
+    chosen = logprobs[rows, torch.tensor(targets, dtype=torch.long, device=logits.device)].tolist()
+    values, tokens = torch.topk(logprobs, top) if top else (logprobs[:, :0], logprobs[:, :0].long())
+    return [(lp, list(zip(t, v))) for lp, t, v in zip(chosen, tokens.tolist(), values.tolist())]

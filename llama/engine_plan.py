@@ -25,7 +25,8 @@ class Plan:
     decode_tokens: List[int] = field(default_factory=list)  # one per row 0..n-1 (empty: no decode step)
     decode_positions: List[int] = field(default_factory=list)
     decode_rows: List[int] = field(default_factory=list)  # those of rows 0..n-1 whose logits are wanted
-    prefills: List[Tuple[int, int, List[int]]] = field(default_factory=list)  # (row, start position, prompt chunk)
+    # (row, start position, prompt chunk, whether the logits of every position are wanted or only the last's)
+    prefills: List[Tuple[int, int, List[int], bool]] = field(default_factory=list)
     # (source row, target row, start, end): positions [start, end) copied between rows, before anything else runs
     copies: List[Tuple[int, int, int, int]] = field(default_factory=list)
     stop: bool = False  # the server is shutting down: followers return
@@ -37,7 +38,7 @@ def run_plan(
 ) -> Tuple[Dict[int, torch.Tensor], List[torch.Tensor]]:
     """Run one step: the copies between cache rows, the decode rows (through `decode_step`; None: eagerly), then
     the prompt chunks. Returns the next-token logits (vocab_size,) of each of plan.decode_rows, by row, and the last
-    logits of each chunk."""
+    logits of each chunk ((len(chunk), vocab_size) where the plan wants every position's)."""
     device = model.tok_embeddings.weight.device
     decode_logits, prefill_logits = {}, []
     for source, target, start, end in plan.copies:
@@ -56,10 +57,11 @@ def run_plan(
         decode_logits = {i: logits[i] for i in plan.decode_rows}  # views: no copy of the (n, vocab_size) logits
         for row, (token, position) in enumerate(zip(plan.decode_tokens, plan.decode_positions)):
             model.cached.wrote(row, position, [token])
-    for row, start, chunk in plan.prefills:
+    for row, start, chunk, every_position in plan.prefills:
         # After the decode step, whose write at this row's position (an input nobody reads) this chunk overwrites.
         tokens = torch.tensor([chunk], dtype=torch.long, device=device)  # (1, len(chunk))
-        prefill_logits.append(model.forward(tokens, start, last_logits_only=True, first_row=row)[0, -1])
+        logits = model.forward(tokens, start, last_logits_only=not every_position, first_row=row)[0]
+        prefill_logits.append(logits if every_position else logits[-1])
     return decode_logits, prefill_logits
 
 

@@ -13,7 +13,7 @@ import torch
 
 from llama.checkpoint import LoadReport, load_checkpoint
 from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from llama.completions import chat_prediction, completion_prediction, encode_dialogs, encode_prompts
+from llama.completions import chat_prediction, completion_prediction, constraints_for, encode_dialogs, encode_prompts
 from llama.decoding import BatchDecoder, StopReason
 from llama.progress import AnnouncedCompiles, Speed, Stopwatch
 from llama.runtime import DecodeStep, RuntimeTransformer, compiled_decode_step, for_runtime
@@ -206,6 +206,7 @@ class Llama(StreamingCompletions):
         top_p: float = DEFAULT_TOP_P,
         max_gen_len: Optional[int] = None,
         logprobs: bool = False,
+        response_format: Optional[dict] = None,
     ) -> List[ChatPrediction]:
         """Answer each dialog as the assistant.
 
@@ -215,6 +216,8 @@ class Llama(StreamingCompletions):
             top_p: Nucleus sampling threshold, in (0, 1].
             max_gen_len: The most tokens to generate; None means max_seq_len - 1.
             logprobs: Also return each generated token's text and log-probability.
+            response_format: Ours, OpenAI's shape: {"type": "json_object"} or {"type": "json_schema", "json_schema":
+                {"schema": {...}}} decodes under a grammar (llguidance), so the answer is such JSON (docs/serve.md).
 
         Returns:
             One ChatPrediction per dialog: {"generation": {"role": "assistant", "content": text},
@@ -226,8 +229,9 @@ class Llama(StreamingCompletions):
         """
         prompt_tokens = encode_dialogs(self.formatter, dialogs)
         stopwatch = Stopwatch(self.decoder)
+        rows = constraints_for(response_format, self.tokenizer, self.model.params.vocab_size, len(dialogs))
         generation_tokens, generation_logprobs, stop_reasons = self.decoder.run(
-            prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p, logprobs, echo=False
+            prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p, logprobs, False, rows
         )
         self.last_speed = stopwatch.speed(sum(len(t) for t in generation_tokens))
         rows = zip(generation_tokens, generation_logprobs, stop_reasons)

@@ -6,7 +6,7 @@ import codecs
 import json
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.engine import Output
@@ -15,6 +15,7 @@ from llama.tokenizer import ChatFormat, Message, Tokenizer
 from llama.tools import tool_messages
 
 MAX_STOP_CHARS = 256  # the text held back while it could begin a stop string is shorter than this
+MAX_N = 8  # samples of one prompt in a request
 # OpenAI's message roles: Llama 3.1's, with a tool's output named "tool" only, plus "developer", OpenAI's newer
 # name for a system message.
 ROLES = (*(role for role in LLAMA_ROLES["3.1"] if role != "ipython"), "developer")
@@ -44,6 +45,19 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorBody(BaseModel):
+    """Every error's body, as OpenAI's API gives it (`APIError.body`)."""
+
+    error: ErrorDetail
+
+
 class FunctionCall(Strict):
     name: str
     arguments: str  # JSON text, as OpenAI writes it
@@ -61,7 +75,7 @@ class TextPart(Strict):
 
 
 class ChatMessage(Strict):
-    role: str
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: Union[str, List[TextPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[List[ToolCallSpec]] = None
@@ -84,6 +98,35 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: Dict[str, Any] = Field(default_factory=dict, alias="schema")  # the JSON schema the answer must follow
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(Strict):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON that `json_schema.schema` validates."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaSpec] = None
+
+    def as_dict(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    """A `tool_choice` that names the function the answer must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class Sampling(Strict):
     """The fields both endpoints take."""
 
@@ -96,7 +139,8 @@ class Sampling(Strict):
     seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: Literal[1] = 1
+    response_format: Optional[ResponseFormat] = None  # decode under a grammar (llama.structured)
+    n: int = Field(1, ge=1, le=MAX_N)  # samples of each prompt; they share its prefill (seed s: s, s + 1, ...)
     user: Optional[str] = None
 
     def stop_strings(self) -> List[str]:
@@ -112,15 +156,107 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     tools: Optional[List[ToolSpec]] = None
-    tool_choice: Optional[Literal["auto", "none"]] = None
+    tool_choice: Union[Literal["auto", "none"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
 
 
 class CompletionRequest(Sampling):
-    prompt: Union[str, List[str]]
-    max_tokens: Optional[int] = Field(16, ge=1)  # OpenAI's default for completions
+    # A text, texts, token IDs or lists of token IDs: one choice (n choices) each.
+    prompt: Union[str, List[str], List[StrictInt], List[List[StrictInt]]]
+    max_tokens: Optional[int] = Field(16, ge=0)  # OpenAI's default for completions; 0 with echo scores the prompt
     logprobs: Optional[int] = Field(None, ge=0, le=5)
     echo: bool = False
+
+
+def completion_prompts(prompt, tokenizer: Tokenizer, vocab_size: int) -> List[List[int]]:
+    """A completion request's `prompt` as token-ID lists, texts encoded as `Llama.text_completion` encodes them
+    (<|begin_of_text|> first). Raises APIError (400) for no prompt, an empty one, or a token ID outside the
+    vocabulary, naming which."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty: send a text, texts, token IDs or lists of token IDs", "prompt")
+    prompts = []
+    for i, one in enumerate(prompt):
+        where = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
+        if not one:
+            raise APIError(400, f"{where} is empty: give every prompt at least one token", where)
+        if isinstance(one, str):
+            prompts.append(tokenizer.encode(one, bos=True, eos=False))
+            continue
+        bad = next((k for k, token in enumerate(one) if not 0 <= token < vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400, f"{where}[{bad}] is token ID {one[bad]}, outside the vocabulary (0 to {vocab_size - 1})", where
+            )
+        prompts.append(list(one))
+    return prompts
+
+
+class TokenizePrompt(Strict):
+    """vLLM's /tokenize body for a text, encoded as a completion's prompt (`add_special_tokens`: <|begin_of_text|>
+    first)."""
+
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChat(Strict):
+    """vLLM's /tokenize body for chat messages, written as a chat completion writes them: the assistant's header
+    after them when `add_generation_prompt`, the last message left open when `continue_final_message`. The chat
+    format has its own <|begin_of_text|>; `add_special_tokens` adds nothing more."""
+
+    model: Optional[str] = None
+    messages: List[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    tools: Optional[List[ToolSpec]] = None
+
+
+class DetokenizeRequest(Strict):
+    model: Optional[str] = None
+    tokens: List[StrictInt]
+
+
+def tokenize(request: Union[TokenizePrompt, TokenizeChat], formatter: ChatFormat) -> List[int]:
+    """The token IDs of a /tokenize request. Raises APIError (400) for messages that cannot be written."""
+    if isinstance(request, TokenizePrompt):
+        return formatter.tokenizer.encode(request.prompt, bos=request.add_special_tokens, eos=False)
+    chat = ChatRequest(model=request.model or "", messages=request.messages, tools=request.tools)
+    dialog = dialog_of(chat, formatter)
+    if request.add_generation_prompt and not request.continue_final_message:
+        return formatter.encode_dialog_prompt(dialog)
+    tokens = [formatter.tokenizer.special_tokens["<|begin_of_text|>"]]
+    for message in dialog:
+        tokens += formatter.encode_message(message)
+    return tokens[:-1] if request.continue_final_message else tokens  # open: without its end-of-turn token
+
+
+def answer_format(request: Sampling) -> Optional[dict]:
+    """The `response_format` (as `llama.structured.Grammar.from_response_format` takes it) that a request's answer
+    must follow: its own, or, where a chat request's `tool_choice` names a function, a call of that function as
+    Llama 3.1 writes one, its arguments following the function's parameters. None: free text."""
+    choice = getattr(request, "tool_choice", None)
+    if isinstance(choice, NamedToolChoice):
+        functions = {tool.function.name: tool.function for tool in request.tools or []}
+        if choice.function.name not in functions:
+            raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice")
+        call = {
+            "type": "object",
+            "properties": {
+                "type": {"const": "function"},
+                "name": {"const": choice.function.name},
+                "parameters": functions[choice.function.name].parameters or {"type": "object"},
+            },
+            "required": ["type", "name", "parameters"],
+            "additionalProperties": False,
+        }
+        return {"type": "json_schema", "json_schema": {"name": choice.function.name, "schema": call}}
+    return None if request.response_format is None else request.response_format.as_dict()
 
 
 def dialog_of(request: ChatRequest, formatter: ChatFormat) -> List[Message]:
@@ -131,8 +267,6 @@ def dialog_of(request: ChatRequest, formatter: ChatFormat) -> List[Message]:
     """
     dialog: List[Message] = []
     for i, message in enumerate(request.messages):
-        if message.role not in ROLES:
-            raise APIError(400, f"Unknown role {message.role!r}; use one of {list(ROLES)}", f"messages[{i}].role")
         content = message.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
@@ -253,16 +387,42 @@ def logprob_entry(token: int, logprob: float, top: Optional[list], tokenizer: To
     }
 
 
-def completion_logprobs(outputs: List[Output], tokenizer: Tokenizer, offset: int) -> dict:
-    """Completions' legacy "logprobs": tokens, token_logprobs, top_logprobs and text_offset, from `offset`."""
-    tokens = [tokenizer.decode([o.token]) for o in outputs]
+def echoed_text(prompt: List[int], tokenizer: Tokenizer) -> str:
+    """A prompt's text as `echo` shows it: without the <|begin_of_text|> that a text prompt gets and never shows."""
+    return tokenizer.decode(prompt[1:] if prompt[0] == tokenizer.bos_id else prompt)
+
+
+def prompt_logprobs(prompt: List[int], scores: list, tokenizer: Tokenizer, offset: int) -> dict:
+    """Completions' legacy "logprobs" of a scored prompt (`Output.prompt_logprobs`), from text offset `offset`: the
+    first token's logprob and top_logprobs are null, as OpenAI gives them. A leading <|begin_of_text|> is listed
+    (it was scored as the context of the rest) but takes no room in the text."""
+    tokens = [tokenizer.decode([t]) for t in prompt]
+    offsets = text_offsets(tokens, offset)
+    if prompt[0] == tokenizer.bos_id:
+        offsets = [offset] + text_offsets(tokens[1:], offset)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if score is None else score[0] for score in scores],
+        "top_logprobs": [None if s is None else {tokenizer.decode([t]): lp for t, lp in s[1]} for s in scores],
+        "text_offset": offsets,
+    }
+
+
+def text_offsets(tokens: List[str], offset: int) -> List[int]:
+    """Where each token's text starts, the first at `offset`."""
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
+    return offsets
+
+
+def completion_logprobs(outputs: List[Output], tokenizer: Tokenizer, offset: int) -> dict:
+    """Completions' legacy "logprobs": tokens, token_logprobs, top_logprobs and text_offset, from `offset`."""
+    tokens = [tokenizer.decode([o.token]) for o in outputs]
     return {
         "tokens": tokens,
         "token_logprobs": [o.logprob for o in outputs],
         "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in o.top_logprobs or []} for o in outputs],
-        "text_offset": offsets,
+        "text_offset": text_offsets(tokens, offset),
     }

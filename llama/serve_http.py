@@ -9,9 +9,10 @@ import secrets
 import threading
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, List, Optional, Tuple, Type, TypeVar
+from typing import Any, AsyncIterator, Callable, List, Optional, Type, TypeVar, Union
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -19,18 +20,22 @@ from starlette.concurrency import run_in_threadpool
 from llama import engine as batching
 from llama.engine import Engine, Output, QueueFull
 from llama.openai_api import (
-    AnswerText,
     APIError,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    ErrorBody,
     Sampling,
-    chat_logprobs,
-    completion_logprobs,
+    TokenizeChat,
+    TokenizePrompt,
+    answer_format,
+    completion_prompts,
     dialog_of,
-    finish_reason,
-    tool_calls_out,
+    tokenize,
 )
-from llama.tokenizer import STOP_TOKEN_REASONS, ChatFormat, Tokenizer
+from llama.serve_answers import Answer, ChatAnswer, CompletionAnswer
+from llama.structured import Grammar, GrammarError
+from llama.tokenizer import ChatFormat, Tokenizer
 
 # How often a request checks that its client is still there.
 DISCONNECT_POLL_S = 0.2
@@ -49,10 +54,21 @@ class Service:
         self.created = int(time.time())
         self.thread = threading.Thread(target=engine.run, name="engine", daemon=True)
 
+    async def grammar(self, body: Sampling) -> Optional[Grammar]:
+        """The grammar a request's answers must follow (`answer_format`), compiled (APIError 400 if it cannot be)."""
+        response_format = answer_format(body)
+        if response_format is None:
+            return None
+        vocab_size = self.engine.model.params.vocab_size
+        try:
+            return await run_in_threadpool(Grammar.from_response_format, response_format, self.tokenizer, vocab_size)
+        except (GrammarError, ImportError) as e:
+            raise APIError(400, str(e), "response_format") from None
+
     def prompt_room(self, prompt: List[int], max_tokens: Optional[int], where: str) -> int:
         """max_tokens, or all the room left after the prompt; APIError (400) when they do not fit."""
         limit = self.engine.max_seq_len
-        if len(prompt) >= limit:
+        if len(prompt) >= limit + (max_tokens == 0):  # max_tokens=0 scores the prompt alone: it may fill the window
             raise APIError(
                 400,
                 f"The prompt is {len(prompt)} tokens long; this server's max_seq_len is {limit}, "
@@ -71,25 +87,44 @@ class Service:
         return limit - len(prompt) if max_tokens is None else max_tokens
 
     def submit(
-        self, http: Request, prompt: List[int], max_tokens: int, body: Sampling, top_logprobs: Optional[int]
-    ) -> AsyncIterator[Output]:
-        """Queue one prompt now (APIError 429 when the queue is full); return its outputs as they will come.
-        Leaving them early (a stop string, a client gone) cancels the request."""
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        request = batching.Request(
-            prompt,
-            max_tokens,
-            body.temperature,
-            body.top_p,
-            emit=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
-            seed=body.seed,
-            top_logprobs=top_logprobs,
-        )
-        try:
-            self.engine.submit(request)
-        except QueueFull as e:
-            raise APIError(429, f"The server is busy: {e}; retry later", code="queue_full") from None
-        return self.outputs(http, request, queue)
+        self,
+        http: Request,
+        answer: Answer,
+        max_tokens: List[int],
+        top_logprobs: Optional[int],
+        score_prompt: bool = False,
+        grammar: Optional[Grammar] = None,
+    ) -> List[AsyncIterator[Output]]:
+        """Queue a request per choice of `answer` now (all or none: APIError 429 when the queue is full), with
+        `max_tokens` per prompt; return each one's outputs as they will come. Leaving them early (a stop string, a
+        client gone) cancels the request. Sample k of a seeded request draws with seed + k. Each answer follows
+        `grammar`, if any."""
+        loop, body = asyncio.get_running_loop(), answer.body
+        requests, queues = [], []
+        for choice in answer.choices:
+            queue, sample = asyncio.Queue(), choice.index % body.n
+            requests.append(
+                batching.Request(
+                    choice.prompt,
+                    max_tokens[choice.index // body.n],
+                    body.temperature,
+                    body.top_p,
+                    emit=lambda out, queue=queue: loop.call_soon_threadsafe(queue.put_nowait, out),
+                    seed=None if body.seed is None else body.seed + sample,
+                    top_logprobs=top_logprobs,
+                    score_prompt=score_prompt,
+                    constraint=None if grammar is None else grammar.start(),
+                )
+            )
+            queues.append(queue)
+        for n, request in enumerate(requests):
+            try:
+                self.engine.submit(request)
+            except QueueFull as e:
+                for queued in requests[:n]:
+                    self.engine.cancel(queued)
+                raise APIError(429, f"The server is busy: {e}; retry later", code="queue_full") from None
+        return [self.outputs(http, request, queue) for request, queue in zip(requests, queues)]
 
     async def outputs(self, http: Request, request: batching.Request, queue: asyncio.Queue) -> AsyncIterator[Output]:
         try:
@@ -117,17 +152,22 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-async def parse(http: Request, model: Type[M]) -> M:
-    """The request's JSON body, whatever its Content-Type, checked against `model`; an APIError (400) names the
-    first problem and the field it concerns."""
+async def parse(http: Request, model: Union[Type[M], Callable[[Any], Type[M]]]) -> M:
+    """The request's JSON body, whatever its Content-Type, checked against `model` (or the model that `model`
+    picks for the decoded body); an APIError (400) names the first problem and the field it concerns."""
     body = bytearray()
     async for piece in http.stream():
         body += piece
         if len(body) > MAX_BODY_BYTES:
             raise APIError(413, f"The request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
     try:
-        return model.model_validate(json.loads(body))
-    except json.JSONDecodeError as e:
+        data = json.loads(body)
+        if not isinstance(model, type):
+            model = model(data)
+        return model.model_validate(data)
+    except RecursionError:  # json's and pydantic's own limit on nested arrays and objects, not a fault of ours
+        raise APIError(400, "The request body nests arrays or objects too deeply to read") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"The request body is not valid JSON: {e}") from None
     except ValidationError as e:
         problem = e.errors()[0]
@@ -135,6 +175,54 @@ async def parse(http: Request, model: Type[M]) -> M:
         if problem["type"] == "extra_forbidden":
             raise APIError(400, f"Unknown field {param!r}: this server does not take it", param) from None
         raise APIError(400, f"{param or 'The request body'}: {problem['msg']}", param) from None
+
+
+def tokenize_model(data: Any) -> type:
+    """Which /tokenize body `data` is: chat messages or a text."""
+    return TokenizeChat if isinstance(data, dict) and "messages" in data else TokenizePrompt
+
+
+ERROR_STATUSES = {
+    400: "A malformed body, a field out of range, a prompt that does not fit",
+    401: "A missing or wrong API key (where the server has one)",
+    404: "Another model's name",
+    413: f"A body over {MAX_BODY_BYTES} bytes",
+    429: "Every row busy and the queue full",
+    503: "The server shut down before the answer was done",
+}
+
+
+def errors(*statuses: int) -> dict:
+    """The OpenAPI `responses` of these error statuses, each with OpenAI's error body."""
+    return {status: {"model": ErrorBody, "description": ERROR_STATUSES[status]} for status in statuses}
+
+
+def json_body(*models: Type[BaseModel]) -> dict:
+    """The OpenAPI request body of a route that parses its body itself (`parse`), one of `models`, for
+    `openapi_extra`."""
+    refs = [{"$ref": f"#/components/schemas/{model.__name__}"} for model in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def with_body_schemas(app: FastAPI, models: List[Type[BaseModel]], model_name: str) -> None:
+    """Make `app`'s OpenAPI schema hold the request models that `json_body` refers to, their `model` field the one
+    name served (any other is a 404)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(model_schema.pop("$defs", {}))
+                if issubclass(model, Sampling):
+                    model_schema["properties"]["model"] = {"type": "string", "enum": [model_name]}
+                components[model.__name__] = model_schema
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
@@ -165,12 +253,56 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
     async def health():
         return {"status": "ok", "model": service.model_name, **service.engine.load()}
 
-    @app.get("/v1/models", dependencies=guarded)
+    # vLLM's tokenizer endpoints, at the root and without the API key as vLLM has them (lm-eval's remote tokenizer).
+    @app.post("/tokenize", openapi_extra=json_body(TokenizePrompt, TokenizeChat), responses=errors(400, 413))
+    async def tokenize_route(http: Request):
+        body = await parse(http, tokenize_model)
+        try:
+            tokens = await run_in_threadpool(tokenize, body, service.formatter)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        strs = [service.tokenizer.decode_bytes([t]).decode("utf-8", errors="replace") for t in tokens]
+        return {
+            "count": len(tokens),
+            "max_model_len": service.engine.max_seq_len,
+            "tokens": tokens,
+            "token_strs": strs if body.return_token_strs else None,
+        }
+
+    @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest), responses=errors(400, 413))
+    async def detokenize(http: Request):
+        body = await parse(http, DetokenizeRequest)
+        vocab_size = service.engine.model.params.vocab_size
+        bad = next((k for k, token in enumerate(body.tokens) if not 0 <= token < vocab_size), None)
+        if bad is not None:
+            message = f"tokens[{bad}] is {body.tokens[bad]}, outside the vocabulary (0 to {vocab_size - 1})"
+            raise APIError(400, message, "tokens")
+        return {"prompt": service.tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        special = {v: k for k, v in service.tokenizer.special_tokens.items()}
+        return {
+            "tokenizer_class": "Llama3Tokenizer (tiktoken BPE)",
+            "bos_token": special[service.tokenizer.bos_id],
+            "eos_token": special[service.tokenizer.eos_id],
+            "pad_token": None,
+            "stop_tokens": sorted(special[t] for t in service.tokenizer.stop_tokens),
+            "model_max_length": service.engine.max_seq_len,
+            "vocab_size": service.engine.model.params.vocab_size,
+        }
+
+    @app.get("/v1/models", dependencies=guarded, responses=errors(401))
     async def models():
         model = {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "llama"}
         return {"object": "list", "data": [model]}
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    streamed = {"description": "The answer; with stream, server-sent events", "content": {"text/event-stream": {}}}
+    completion_errors = {200: streamed, **errors(400, 401, 404, 413, 429, 503)}
+
+    @app.post(
+        "/v1/chat/completions", dependencies=guarded, openapi_extra=json_body(ChatRequest), responses=completion_errors
+    )
     async def chat_completions(http: Request):
         body = await parse(http, ChatRequest)
         check_model(body)
@@ -180,23 +312,26 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
             raise APIError(400, str(e), "messages") from None
         max_tokens = service.prompt_room(prompt, body.max_completion_tokens or body.max_tokens, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
-        chat = ChatAnswer(service, body, len(prompt))  # before the engine gets it: this checks `stop` too
-        outputs = service.submit(http, prompt, max_tokens, body, top)
+        # Made before the engine gets the request: this checks `stop` too.
+        chat = ChatAnswer(service.formatter, service.model_name, body, prompt)
+        outputs = service.submit(http, chat, [max_tokens], top, grammar=await service.grammar(body))
         if body.stream:
             return event_stream(chat.stream(outputs))
         return await chat.whole(outputs)
 
-    @app.post("/v1/completions", dependencies=guarded)
+    @app.post(
+        "/v1/completions", dependencies=guarded, openapi_extra=json_body(CompletionRequest), responses=completion_errors
+    )
     async def completions(http: Request):
         body = await parse(http, CompletionRequest)
         check_model(body)
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        if len(prompts) != 1 or not prompts[0]:
-            raise APIError(400, "Send one non-empty prompt per request", "prompt")
-        prompt = await run_in_threadpool(service.tokenizer.encode, prompts[0], bos=True, eos=False)
-        max_tokens = service.prompt_room(prompt, body.max_tokens, "prompt")
-        completion = CompletionAnswer(service, body, prompts[0], len(prompt))
-        outputs = service.submit(http, prompt, max_tokens, body, body.logprobs)
+        vocab_size = service.engine.model.params.vocab_size
+        prompts = await run_in_threadpool(completion_prompts, body.prompt, service.tokenizer, vocab_size)
+        max_tokens = [service.prompt_room(prompt, body.max_tokens, "prompt") for prompt in prompts]
+        completion = CompletionAnswer(service.tokenizer, service.model_name, body, prompts)
+        scored = body.echo and body.logprobs is not None  # each prompt token's logprob too
+        grammar = await service.grammar(body)
+        outputs = service.submit(http, completion, max_tokens, body.logprobs, score_prompt=scored, grammar=grammar)
         if body.stream:
             return event_stream(completion.stream(outputs))
         return await completion.whole(outputs)
@@ -210,6 +345,8 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
                 "model_not_found",
             )
 
+    bodies = [ChatRequest, CompletionRequest, TokenizePrompt, TokenizeChat, DetokenizeRequest]
+    with_body_schemas(app, bodies, service.model_name)
     return app
 
 
@@ -222,166 +359,3 @@ def event_stream(events: AsyncIterator[dict]) -> StreamingResponse:
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(lines(), media_type="text/event-stream")
-
-
-class Answer:
-    """What both endpoints do with an answer's outputs: text cut at stop strings, logprobs, usage."""
-
-    kind = ""
-
-    def __init__(self, service: Service, body: Sampling, prompt_tokens: int):
-        self.service, self.body = service, body
-        self.text = AnswerText(service.tokenizer, body.stop_strings())
-        self.id = f"{self.kind}-{secrets.token_hex(12)}"
-        self.prompt_tokens, self.sampled = prompt_tokens, 0
-        self.cached_tokens = 0  # of the prompt's, reused from the server's KV cache
-
-    async def pieces(self, outputs: AsyncIterator[Output]) -> AsyncIterator[Tuple[str, List[Output], Optional[str]]]:
-        """(new text, the outputs it came from, finish_reason or None) per token, the finish last. Leaving, for a
-        stop string or any other reason, closes `outputs`, which cancels the request."""
-        try:
-            async for output in outputs:
-                if output.finish in ("error", "cancelled"):
-                    raise APIError(
-                        500 if output.finish == "error" else 503,
-                        "The request was stopped by a fault or a shutdown of the server",
-                    )
-                self.cached_tokens = output.cached_tokens
-                if output.finish is not None:
-                    self.sampled += output.finish in STOP_TOKEN_REASONS.values()  # it ended at a stop token
-                    yield self.text.flush(), [], finish_reason(output.finish)
-                    return
-                self.sampled += 1
-                piece = self.text.add(output.token)
-                yield piece, [output], None
-                if self.text.stopped:
-                    yield "", [], "stop"
-                    return
-        finally:
-            await outputs.aclose()
-
-    def usage(self) -> dict:
-        total = self.prompt_tokens + self.sampled
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.sampled,
-            "total_tokens": total,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-    def envelope(self, obj: str, choices: list) -> dict:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": int(time.time()),
-            "model": self.service.model_name,
-            "choices": choices,
-        }
-
-    def wants_usage(self) -> bool:
-        return bool(self.body.stream_options and self.body.stream_options.include_usage)
-
-
-class ChatAnswer(Answer):
-    kind = "chatcmpl"
-
-    def with_tools(self) -> bool:
-        return bool(self.body.tools) and self.body.tool_choice != "none"
-
-    def logprobs(self, outputs: List[Output]) -> Optional[dict]:
-        return chat_logprobs(outputs, self.service.tokenizer) if self.body.logprobs and outputs else None
-
-    def message(self, text: str, reason: str) -> Tuple[dict, str]:
-        """The assistant message and finish_reason, with tool calls read from the text when tools were offered."""
-        calls = tool_calls_out(text, "end_of_turn", self.service.formatter) if self.with_tools() else None
-        if calls:
-            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": text}, reason
-
-    async def whole(self, outputs: AsyncIterator[Output]) -> dict:
-        texts, tokens, reason = [], [], "stop"
-        async for piece, outs, finish in self.pieces(outputs):
-            texts.append(piece)
-            tokens += outs
-            reason = finish or reason
-        message, reason = self.message("".join(texts), reason)
-        logprobs = chat_logprobs(tokens, self.service.tokenizer) if self.body.logprobs else None
-        choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
-        return {**self.envelope("chat.completion", [choice]), "usage": self.usage()}
-
-    async def stream(self, outputs: AsyncIterator[Output]) -> AsyncIterator[dict]:
-        """Chunks of OpenAI's chat stream. With tools offered, the text is held until the end, when it is known
-        whether it is a call."""
-
-        def chunk(delta: dict, reason: Optional[str] = None, logprobs: Optional[dict] = None) -> dict:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-            return self.envelope("chat.completion.chunk", [choice])
-
-        yield chunk({"role": "assistant", "content": ""})
-        held, held_outputs = [], []
-        try:
-            async for piece, outs, finish in self.pieces(outputs):
-                if self.with_tools():
-                    held.append(piece)
-                    held_outputs += outs
-                elif piece or (outs and self.body.logprobs):
-                    yield chunk({"content": piece}, logprobs=self.logprobs(outs))
-                if finish is not None:
-                    if self.with_tools():
-                        message, finish = self.message("".join(held), finish)
-                        calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls") or [])]
-                        delta = {"tool_calls": calls} if calls else {"content": message["content"]}
-                        yield chunk(delta, logprobs=self.logprobs(held_outputs))
-                    yield chunk({}, finish)
-        except APIError as e:
-            yield e.body()
-            return
-        if self.wants_usage():
-            yield {**self.envelope("chat.completion.chunk", []), "usage": self.usage()}
-
-
-class CompletionAnswer(Answer):
-    kind = "cmpl"
-
-    def __init__(self, service: Service, body: CompletionRequest, prompt: str, prompt_tokens: int):
-        super().__init__(service, body, prompt_tokens)
-        self.echoed = prompt if body.echo else ""
-
-    def logprobs(self, outs: List[Output], offset: int) -> Optional[dict]:
-        if self.body.logprobs is None:
-            return None
-        return completion_logprobs(outs, self.service.tokenizer, offset)
-
-    async def whole(self, outputs: AsyncIterator[Output]) -> dict:
-        texts, tokens, reason = [self.echoed], [], "stop"
-        async for piece, outs, finish in self.pieces(outputs):
-            texts.append(piece)
-            tokens += outs
-            reason = finish or reason
-        choice = {
-            "index": 0,
-            "text": "".join(texts),
-            "logprobs": self.logprobs(tokens, len(self.echoed)),
-            "finish_reason": reason,
-        }
-        return {**self.envelope("text_completion", [choice]), "usage": self.usage()}
-
-    async def stream(self, outputs: AsyncIterator[Output]) -> AsyncIterator[dict]:
-        def chunk(text: str, reason: Optional[str] = None, logprobs: Optional[dict] = None) -> dict:
-            return self.envelope(
-                "text_completion", [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}]
-            )
-
-        if self.echoed:
-            yield chunk(self.echoed)
-        offset = len(self.echoed)
-        try:
-            async for piece, outs, finish in self.pieces(outputs):
-                if piece or outs or finish:
-                    yield chunk(piece, finish, self.logprobs(outs, offset) if outs else None)
-                offset += len(piece)
-        except APIError as e:
-            yield e.body()
-            return
-        if self.wants_usage():
-            yield {**self.envelope("text_completion", []), "usage": self.usage()}

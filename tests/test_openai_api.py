@@ -1,9 +1,8 @@
-"""OpenAI's shapes for the server (`llama.openai_api`, `llama.serve_http`'s answers), without a server or a model:
+"""OpenAI's shapes for the server (`llama.openai_api`, `llama.serve_answers`), without a server or a model:
 answers read for tool calls, and the text of answers as tokens arrive (stop strings, multi-byte characters)."""
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
 from helpers import import_or_skip
@@ -12,7 +11,7 @@ import_or_skip("fastapi", "pip install -e '.[serve]'")
 
 from llama.engine import Output  # noqa: E402
 from llama.openai_api import AnswerText, ChatRequest, tool_calls_out  # noqa: E402
-from llama.serve_http import ChatAnswer  # noqa: E402
+from llama.serve_answers import ChatAnswer  # noqa: E402
 from llama.tokenizer import ChatFormat, Tokenizer  # noqa: E402
 
 
@@ -56,7 +55,6 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 
 def answer_of(tokenizer, text: str, stream: bool):
     """The chat answer the server gives, with a tool offered, when the model writes `text` then <|eot_id|>."""
-    service = SimpleNamespace(tokenizer=tokenizer, formatter=ChatFormat(tokenizer), model_name="m")
     body = ChatRequest(model="m", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], stream=stream)
 
     async def outputs():
@@ -65,10 +63,10 @@ def answer_of(tokenizer, text: str, stream: bool):
         yield Output(finish="end_of_turn")
 
     async def run():
-        answer = ChatAnswer(service, body, prompt_tokens=10)
+        answer = ChatAnswer(ChatFormat(tokenizer), "m", body, prompt=list(range(10)))
         if stream:
-            return [chunk async for chunk in answer.stream(outputs())]
-        return await answer.whole(outputs())
+            return [chunk async for chunk in answer.stream([outputs()])]
+        return await answer.whole([outputs()])
 
     return asyncio.run(run())
 

@@ -131,10 +131,15 @@ def test_completion_logprobs_and_echo(client, reference):
     )
     choice = answer.choices[0]
     assert choice.text == QUESTIONS[0] + reference.tokenizer.decode(tokens[0])
-    assert choice.logprobs.tokens == [reference.tokenizer.decode([t]) for t in tokens[0]]
-    assert choice.logprobs.token_logprobs == pytest.approx(logprobs[0], abs=1e-4)
-    for top, chosen in zip(choice.logprobs.top_logprobs, choice.logprobs.token_logprobs):
+    # The prompt's tokens (scored: the first one's logprob null) and then the answer's.
+    assert choice.logprobs.tokens == [reference.tokenizer.decode([t]) for t in prompt + tokens[0]]
+    assert choice.logprobs.token_logprobs[len(prompt) :] == pytest.approx(logprobs[0], abs=1e-4)
+    answer_tops = choice.logprobs.top_logprobs[len(prompt) :]
+    for top, chosen in zip(answer_tops, choice.logprobs.token_logprobs[len(prompt) :]):
         assert len(top) == 2 and max(top.values()) == pytest.approx(chosen, abs=1e-6)  # greedy: the likeliest
+    offsets, text = choice.logprobs.text_offset, choice.text
+    for token, offset in list(zip(choice.logprobs.tokens, offsets))[1:]:  # the first, <|begin_of_text|>, not shown
+        assert text[offset : offset + len(token)] == token
 
 
 def test_streamed_chat_logprobs_are_generate_s(client, reference):
@@ -152,6 +157,77 @@ def test_streamed_chat_logprobs_are_generate_s(client, reference):
     assert [entry.token for entry in entries] == [reference.tokenizer.decode([t]) for t in tokens[0]]
     assert [entry.logprob for entry in entries] == pytest.approx(logprobs[0], abs=1e-4)
     assert all(len(entry.top_logprobs) == 3 for entry in entries)
+
+
+def test_every_prompt_form_is_a_choice_in_request_order(server, reference):
+    texts = [QUESTIONS[0], QUESTIONS[2]]
+    ids = [reference.tokenizer.encode(text, bos=True, eos=False) for text in texts]
+    expected = [reference.tokenizer.decode(solo_tokens(reference, prompt, 6)) for prompt in ids]
+    for prompt in (texts[0], texts, ids[0], ids):
+        answer = post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        choices = answer.json()["choices"]
+        assert [c["index"] for c in choices] == list(range(len(choices)))
+        assert [c["text"] for c in choices] == expected[: len(choices)]
+        assert answer.json()["usage"]["prompt_tokens"] == sum(len(p) for p in ids[: len(choices)])
+
+
+def test_a_token_id_outside_the_vocabulary_is_a_400_that_names_it(server):
+    answer = post(server, "/v1/completions", {"model": MODEL, "prompt": [[1, 2], [3, 4, 128256]], "max_tokens": 2})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "prompt[1]" and "prompt[1][2]" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echoed_logprobs_score_the_prompt_as_the_python_api_does(server, reference, max_tokens):
+    """What lm-eval's loglikelihood requests send: token IDs, echo, logprobs; the first token's logprob is null."""
+    prompts = [reference.tokenizer.encode(text, bos=True, eos=False) for text in QUESTIONS[:2]]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": max_tokens, "temperature": 0, "echo": True, "logprobs": 2}
+    answer = post(server, "/v1/completions", body).json()
+    for prompt, choice in zip(prompts, answer["choices"]):
+        _, expected = reference.generate([prompt], 0, temperature=0, logprobs=True, echo=True)
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(prompt) + max_tokens
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert logprobs["token_logprobs"][1 : len(prompt)] == pytest.approx(expected[0][1:], abs=1e-4)
+        for chosen, top in zip(logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:]):
+            assert len(top) == 2 and max(top.values()) >= chosen - 1e-6
+        assert choice["text"].startswith(QUESTIONS[prompts.index(prompt)])  # the text, without <|begin_of_text|>
+        assert logprobs["tokens"][0] == "<|begin_of_text|>" and logprobs["text_offset"][:2] == [0, 0]
+
+
+def test_n_samples_share_one_prompt_and_each_draws_its_own_seed(server, reference):
+    """(The samples decode side by side, in a batch, so each is not exactly the solo seeded run: on this random
+    model's flat distributions a batched product's rounding moves draws.)"""
+    prompt = reference.tokenizer.encode(QUESTIONS[4] + " Tell me.", bos=True, eos=False)
+    before = server.health()["reused_prompt_tokens"]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.8, "seed": 5, "n": 3}
+    answer = post(server, "/v1/completions", body).json()
+    assert sorted(choice["index"] for choice in answer["choices"]) == [0, 1, 2]
+    assert len({choice["text"] for choice in answer["choices"]}) == 3  # seeds 5, 6 and 7
+    assert answer["usage"]["prompt_tokens"] == len(prompt) and answer["usage"]["completion_tokens"] == 24
+    # The prompt ran once: the two other samples copied all of it but its last token.
+    assert server.health()["reused_prompt_tokens"] - before >= 2 * (len(prompt) - 1)
+    streamed = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                      "max_tokens": 4, "n": 2, "stream": True})  # fmt: skip
+    indexes = {json.loads(line[6:])["choices"][0]["index"] for line in streamed.text.splitlines()
+               if line.startswith("data: {")}  # fmt: skip
+    assert indexes == {0, 1}
+
+
+def test_the_tokenizer_endpoints_speak_vllm_s_shapes(server, reference):
+    text = "Hello tokenizer"
+    tokens = post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert tokens["tokens"] == reference.tokenizer.encode(text, bos=False, eos=False)
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_SEQ_LEN
+    messages = [{"role": "user", "content": text}]
+    chat = post(server, "/tokenize", {"messages": messages, "return_token_strs": True}).json()
+    assert chat["tokens"] == chat_prompt(reference, messages)
+    assert "".join(chat["token_strs"]) == reference.tokenizer.decode(chat["tokens"])
+    assert post(server, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": text}
+    assert post(server, "/detokenize", {"tokens": [5, -1]}).status_code == 400
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert (info["bos_token"], info["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
 
 
 def test_stop_string_cuts_the_answer(client):
@@ -174,7 +250,7 @@ def test_a_conversation_s_next_turns_reuse_the_cache_and_answer_as_generate(serv
     second = first + [dict(answer.choices[0].message.to_dict(), role="assistant"), {"role": "user", "content": "Why?"}]
     edited = second[:-1] + [{"role": "user", "content": "How so?"}]
     other = [{"role": "user", "content": QUESTIONS[3]}]
-    reused = 0
+    reused = answer.usage.prompt_tokens_details.cached_tokens
     for messages in (second, edited, other):
         tokens, logprobs = reference.generate([chat_prompt(reference, messages)], 12, temperature=0, logprobs=True)
         got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
@@ -273,7 +349,7 @@ BAD = {
     "malformed JSON": ('{"model": "tiny", "messages": [', None),
     "not an object": ("[1, 2]", None),
     "unknown field": ({**GOOD, "frequency_boost": 2}, "frequency_boost"),
-    "bad role": ({**GOOD, "messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
+    "bad role": ({**GOOD, "messages": [{"role": "wizard", "content": "Hi"}]}, "messages.0.role"),
     "no messages": ({**GOOD, "messages": []}, "messages"),
     "prompt longer than the window": (
         {**GOOD, "messages": [{"role": "user", "content": "word " * 2000}]},
@@ -283,7 +359,7 @@ BAD = {
     "max_tokens zero": ({**GOOD, "max_tokens": 0}, "max_tokens"),
     "negative temperature": ({**GOOD, "temperature": -1}, "temperature"),
     "top_p over 1": ({**GOOD, "top_p": 1.5}, "top_p"),
-    "several choices": ({**GOOD, "n": 2}, "n"),
+    "more choices than n allows": ({**GOOD, "n": 9}, "n"),
     "empty stop string": ({**GOOD, "stop": [""]}, "stop"),
     "content of a wrong type": ({**GOOD, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
 }
