@@ -10,7 +10,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import List, Literal
 
+import pydantic
 import pytest
 import torch
 from helpers import TINY_PARAMS, import_or_skip, make_checkpoint
@@ -342,6 +344,57 @@ def test_a_dialog_with_tool_calls_and_results_is_written_as_llama_writes_it(clie
         {"role": "tool", "content": "Sunny, 21 C"},
     ]
     assert answer.usage.prompt_tokens == len(chat_prompt(reference, ours))
+
+
+class Pet(pydantic.BaseModel):
+    kind: Literal["cat", "dog", "llama"]
+    name: str = pydantic.Field(max_length=12)  # a random model ends a string only when it must
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=16)
+    age: int = pydantic.Field(ge=0, le=120)
+    pets: List[Pet] = pydantic.Field(max_length=2)
+
+
+def test_the_openai_client_s_parse_gets_an_object_that_validates(client):
+    """`beta.chat.completions.parse` with a Pydantic model, as applications use it (strict JSON schema), on random
+    weights: the grammar makes the answer valid."""
+    messages = [{"role": "user", "content": "Describe a person."}]
+    for temperature in (0.0, 1.0):
+        answer = client.beta.chat.completions.parse(
+            model=MODEL, messages=messages, response_format=Person, max_tokens=120, temperature=temperature
+        )
+        assert answer.choices[0].finish_reason == "stop"
+        assert isinstance(answer.choices[0].message.parsed, Person)
+        assert Person.model_validate_json(answer.choices[0].message.content) == answer.choices[0].message.parsed
+
+
+def test_a_named_tool_choice_calls_that_function_with_valid_arguments(client):
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+            "additionalProperties": False}  # fmt: skip
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": city}},
+        {"type": "function", "function": {"name": "get_time", "description": "The time", "parameters": city}},
+    ]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], tools=tools, max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )  # fmt: skip
+    (call,) = answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason == "tool_calls" and call.function.name == "get_time"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+
+
+def test_json_object_completions_and_a_schema_that_cannot_compile(server):
+    body = {"model": MODEL, "prompt": "JSON:", "max_tokens": 40, "response_format": {"type": "json_object"}}
+    answer = post(server, "/v1/completions", body).json()
+    assert answer["choices"][0]["text"].startswith("{")
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "when": {"type": "string", "pattern": "(("}}}}}  # fmt: skip
+    answer = post(server, "/v1/chat/completions", {**GOOD, "response_format": bad})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "response_format"
+    assert "unclosed group" in answer.json()["error"]["message"]
 
 
 GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
