@@ -220,8 +220,8 @@ class Engine:
             row = self.rows[i]
             row.prefilled += len(chunk)
             if every_position:
-                row.prompt_logprobs += scores(logits, row.request.prompt[start + 1 : start + len(chunk) + 1],
-                                              row.request.top_logprobs or 0)  # fmt: skip
+                targets = row.request.prompt[start + 1 : start + len(chunk) + 1]  # each position's next token
+                row.prompt_logprobs += scores(logits, targets, row.request.top_logprobs or 0)
                 logits = logits[-1]
             if row.prefilled == len(row.request.prompt):
                 self.prompt_done(i, row, logits)

@@ -13,12 +13,8 @@ import time
 from typing import AsyncIterator, List, Optional, Tuple
 
 from llama.engine import Output
-from llama.openai_api import (
+from llama.openai_answers import (
     AnswerText,
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    Sampling,
     chat_logprobs,
     completion_logprobs,
     echoed_text,
@@ -26,6 +22,7 @@ from llama.openai_api import (
     prompt_logprobs,
     tool_calls_out,
 )
+from llama.openai_api import APIError, ChatRequest, CompletionRequest, Sampling
 from llama.tokenizer import STOP_TOKEN_REASONS, ChatFormat, Tokenizer
 
 # A piece of an answer: (new text, the outputs it came from, finish_reason or None).
