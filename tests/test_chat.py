@@ -75,6 +75,32 @@ def test_end_of_input_ends_the_session(tiny_llama):
     assert out.getvalue().count("Assistant: ") == 1
 
 
+def test_each_turn_runs_only_what_changed_after_system_and_load(tiny_llama):
+    """The chat's next turn reuses the cache up to where its prompt first differs from what the cache holds: the
+    whole dialog after a plain turn, the start before the system prompt's text after /system, the shared start
+    after /load."""
+    out = io.StringIO()
+    session = ChatSession(tiny_llama, system_prompt="Be brief.", temperature=0, max_gen_len=4, out=out)
+    tiny_llama.model.cached.forget()
+
+    def send(text: str) -> int:
+        """Send `text`; how many of the prompt's tokens the cache held, and what it should have held."""
+        held = list(tiny_llama.model.cached[0])
+        session.send(text)
+        prompt = tiny_llama.formatter.encode_dialog_prompt(session.history[:-1])
+        assert tiny_llama.decoder.last_reused == [min(common_prefix_length(held, prompt), len(prompt) - 1)]
+        return tiny_llama.decoder.last_reused[0]
+
+    assert send("Hello") == 0
+    first = tiny_llama.formatter.encode_dialog_prompt(session.history[:2])
+    assert send("Tell me more") >= len(first)  # the first turn's whole prompt, and its answer
+    session.set_system_prompt("Be verbose.")
+    header = len(tiny_llama.formatter.encode_dialog_prompt([{"role": "system", "content": ""}])) - 5
+    assert header <= send("Again") < len(first)  # up to the system prompt's text
+    session.load([{"role": "user", "content": "Hello"}])
+    assert 0 < send("Once more") < header + 5  # <|begin_of_text|> and the header's start only
+
+
 def test_history_is_trimmed_oldest_first_with_a_notice(tiny_llama):
     out = io.StringIO()
     session = ChatSession(tiny_llama, system_prompt="You are terse.", temperature=0, max_gen_len=8, out=out)
