@@ -45,6 +45,14 @@ class Batch:
     constraints: Optional[List[Optional[Constraint]]] = None  # a grammar per row for its output (llama.structured)
     reused: int = 0  # positions [0, reused) of every row were already in the KV cache: the model starts after them
 
+    def constrained(self, cur_pos: int) -> List[Tuple[int, Constraint]]:
+        """(row, constraint) of the rows whose token at `cur_pos` is output under a grammar (past their prompt)."""
+        return [
+            (row, constraint)
+            for row, constraint in enumerate(self.constraints or [])
+            if constraint is not None and cur_pos >= self.prompt_lens[row]
+        ]
+
 
 class BatchDecoder:
     """Generates tokens for a batch of prompts with `model` (its `forward` and KV cache) and `tokenizer` (its pad
@@ -197,7 +205,8 @@ class BatchDecoder:
                     self.model.cached.wrote(row, prev_pos, [token])
             else:
                 logits = self.model.forward(tokens[:, prev_pos:cur_pos], prev_pos, last_logits_only=not want_logprobs)
-            next_token = sample_next(self.allowed(batch, logits[:, -1], cur_pos), temperature, top_p).reshape(-1)
+            constrained = batch.constrained(cur_pos)
+            next_token = sample_next(allowed(logits[:, -1], constrained), temperature, top_p).reshape(-1)
             # Rows whose prompt reaches this far keep their prompt token: the others' sample is not theirs.
             next_token = torch.where(is_prompt[:, cur_pos], tokens[:, cur_pos], next_token)
             tokens[:, cur_pos] = next_token
@@ -209,29 +218,13 @@ class BatchDecoder:
                     ignore_index=pad_id,
                 )
             batch.eos_reached |= (~is_prompt[:, cur_pos]) & torch.isin(next_token, stop_tokens)
-            for row, constraint in enumerate(batch.constraints or []):
-                if constraint is not None and cur_pos >= batch.prompt_lens[row]:
-                    constraint.advance(int(next_token[row]))
+            for row, constraint in constrained:
+                constraint.advance(int(next_token[row]))
             batch.cur_pos = cur_pos + 1
             prev_pos = cur_pos
             yield batch
             if batch.eos_reached.all():
                 break
-
-    @staticmethod
-    def allowed(batch: Batch, logits: torch.Tensor, cur_pos: int) -> torch.Tensor:
-        """The next-token logits (bsz, vocab_size), those of rows under a grammar masked to what it allows."""
-        constrained = [
-            row
-            for row, constraint in enumerate(batch.constraints or [])
-            if constraint is not None and cur_pos >= batch.prompt_lens[row]
-        ]
-        if not constrained:
-            return logits
-        logits = logits.clone()
-        for row in constrained:
-            logits[row] = batch.constraints[row].mask(logits[row])
-        return logits
 
     def finish(
         self, batch: Batch, max_gen_len: int, echo: bool
@@ -257,3 +250,13 @@ class BatchDecoder:
             return tokens, None
         first = min(stop_at)
         return tokens[:first], stop_reason(self.tokenizer, tokens[first])
+
+
+def allowed(logits: torch.Tensor, constrained: List[Tuple[int, Constraint]]) -> torch.Tensor:
+    """The next-token logits (bsz, vocab_size), those of the `constrained` rows masked to what their grammar allows."""
+    if not constrained:
+        return logits
+    logits = logits.clone()
+    for row, constraint in constrained:
+        logits[row] = constraint.mask(logits[row])
+    return logits

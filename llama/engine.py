@@ -346,11 +346,8 @@ class Engine:
             return
         output = Output(token=token, cached_tokens=request.cached_tokens)
         if request.top_logprobs is not None:
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            output.logprob = float(logprobs[token])
-            if request.top_logprobs:
-                values, tokens = torch.topk(logprobs, request.top_logprobs)
-                output.top_logprobs = list(zip(tokens.tolist(), values.tolist()))
+            ((output.logprob, top),) = scores(logits[None], [token], request.top_logprobs)
+            output.top_logprobs = top or None
         request.emit(output)
         if row.generated >= request.max_tokens:
             request.emit(Output(finish="length", cached_tokens=request.cached_tokens))

@@ -183,13 +183,18 @@ def completion_prompts(prompt, tokenizer: Tokenizer, vocab_size: int) -> List[Li
         if isinstance(one, str):
             prompts.append(tokenizer.encode(one, bos=True, eos=False))
             continue
-        bad = next((k for k, token in enumerate(one) if not 0 <= token < vocab_size), None)
-        if bad is not None:
-            raise APIError(
-                400, f"{where}[{bad}] is token ID {one[bad]}, outside the vocabulary (0 to {vocab_size - 1})", where
-            )
+        check_in_vocabulary(one, vocab_size, where)
         prompts.append(list(one))
     return prompts
+
+
+def check_in_vocabulary(tokens: List[int], vocab_size: int, where: str) -> None:
+    """Raises APIError (400, param `where`) naming the first of `tokens` (ints: pydantic checked the type) outside
+    the vocabulary, as `where[k]`."""
+    bad = next((k for k, token in enumerate(tokens) if not 0 <= token < vocab_size), None)
+    if bad is not None:
+        message = f"{where}[{bad}] is token ID {tokens[bad]}, outside the vocabulary (0 to {vocab_size - 1})"
+        raise APIError(400, message, where)
 
 
 class TokenizePrompt(Strict):

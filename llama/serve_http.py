@@ -29,6 +29,7 @@ from llama.openai_api import (
     TokenizeChat,
     TokenizePrompt,
     answer_format,
+    check_in_vocabulary,
     completion_prompts,
     dialog_of,
     tokenize,
@@ -272,11 +273,7 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
     @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest), responses=errors(400, 413))
     async def detokenize(http: Request):
         body = await parse(http, DetokenizeRequest)
-        vocab_size = service.engine.model.params.vocab_size
-        bad = next((k for k, token in enumerate(body.tokens) if not 0 <= token < vocab_size), None)
-        if bad is not None:
-            message = f"tokens[{bad}] is {body.tokens[bad]}, outside the vocabulary (0 to {vocab_size - 1})"
-            raise APIError(400, message, "tokens")
+        check_in_vocabulary(body.tokens, service.engine.model.params.vocab_size, "tokens")
         return {"prompt": service.tokenizer.decode(body.tokens)}
 
     @app.get("/tokenizer_info")
