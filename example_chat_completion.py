@@ -96,6 +96,7 @@ def main(
         compile=compile,
         cuda_graphs=cuda_graphs,
         quantize=quantize,
+        prefix_cache=interactive,  # the terminal chat reuses its dialog's cache, as `llama chat` does
     )
     print(generator.load_report)
     if interactive:

@@ -67,7 +67,9 @@ def add_model_flags(parser: argparse.ArgumentParser, max_gen_len: Optional[int])
         "--noprefix_cache",
         dest="prefix_cache",
         action="store_false",
-        help="run each prompt from its first token (default: reuse what the KV cache holds from the last turn)",
+        help="run each prompt from its first token, as Meta's code does (default: reuse what the KV cache holds from "
+        "the last turn: in float32 the same greedy tokens; in bfloat16 a near-tie may break otherwise, and a seeded "
+        "sample can differ from a cold run's)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="show the library's log records (INFO)")
 

@@ -56,7 +56,7 @@ class Llama(StreamingCompletions):
         compile: bool = False,
         quantize: Optional[str] = None,
         cuda_graphs: bool = True,
-        prefix_cache: bool = True,
+        prefix_cache: bool = False,
     ) -> "Llama":
         """Load a checkpoint and its tokenizer into a generator, in this process's share of the model.
 
@@ -81,9 +81,11 @@ class Llama(StreamingCompletions):
             cuda_graphs: On one CUDA GPU without `compile`, replay each batch size's decode step as a CUDA graph
                 (`llama.cuda_graphs`): the eager step's logits bit for bit, one launch instead of hundreds. False
                 decodes eagerly, as the reference does.
-            prefix_cache: Keep the KV cache between calls and run only what a prompt adds to what its row holds
-                (a chat's next turn: its new message). A prompt run in two pieces rounds otherwise in bfloat16
-                (docs/chat.md). False runs every prompt whole, as the reference does.
+            prefix_cache: False (the default) runs every prompt from position 0, as the reference does, so the same
+                seed gives the same tokens on every call. True keeps the KV cache between calls and runs only what a
+                prompt adds to what its row holds (a chat's next turn: its new message): faster, the same greedy
+                tokens in float32, but a prompt run in two pieces rounds otherwise, so in bfloat16 a near-tie may
+                break the other way and a seeded sample may differ from a cold call's (docs/chat.md).
 
         Returns:
             The generator. It prints nothing (the reference prints "Loaded in X seconds"): its `load_report` says what
@@ -109,17 +111,22 @@ class Llama(StreamingCompletions):
         )
         mp_size = fs_init.get_model_parallel_world_size()
         runtime, decode_step = for_runtime(model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size)
-        generator = Llama(runtime, tokenizer, decode_step)
-        generator.decoder.prefix_cache = prefix_cache
+        generator = Llama(runtime, tokenizer, decode_step, prefix_cache)
         report.seconds = time.time() - start  # with the runtime's choices
         generator.load_report = report
         return generator
 
-    def __init__(self, model: RuntimeTransformer, tokenizer: Tokenizer, decode_step: Optional[DecodeStep] = None):
+    def __init__(
+        self,
+        model: RuntimeTransformer,
+        tokenizer: Tokenizer,
+        decode_step: Optional[DecodeStep] = None,
+        prefix_cache: bool = False,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.formatter = ChatFormat(tokenizer)
-        self.decoder = BatchDecoder(model, tokenizer, decode_step)
+        self.decoder = BatchDecoder(model, tokenizer, decode_step, prefix_cache)
 
     def compile_decode_step(self) -> None:
         """From now on, decode one token per row with `Transformer.decode_step` compiled by torch.compile.

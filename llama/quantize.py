@@ -33,6 +33,9 @@ INT4_ROWS = 16  # the CPU int4 kernel takes weights of a multiple of this many r
 # many values: its float32 temporaries (8 MiB) stay small enough for the allocator to reuse them, where larger
 # ones are mapped afresh each time and fault in page by page (figures: docs/speed.md).
 CHUNK_VALUES = 2**21
+# The names of the ways a quantized layer computes its product (`QuantizedLinear.products`), across schemes and
+# devices.
+QUANTIZED_PRODUCTS = ("int8", "widened", "fused", "tinygemm", "dequantized")
 
 
 def check_scheme(scheme: str) -> None:
@@ -200,6 +203,10 @@ class QuantizedLinear(ParallelLinear):
         """Name to product (a function of the input) of each way to compute a product of `rows` rows here."""
         raise NotImplementedError
 
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the inputs its products take: that of its scales."""
+        raise NotImplementedError
+
     def default_product(self) -> str:
         return self.CPU_DEFAULT if self.weight.device.type == "cpu" else self.GPU_DEFAULT
 
@@ -259,6 +266,9 @@ class Int8Linear(QuantizedLinear):
             products["fused"] = self.fused_product
         return products
 
+    def activation_dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
     def int8_product(self, x: torch.Tensor) -> torch.Tensor:
         return int8_kernel_product(x, self.weight, self.scales)
 
@@ -311,6 +321,9 @@ class Int4Linear(QuantizedLinear):
         if hasattr(self, "nibbles"):
             products["dequantized"] = self.dequantized_product
         return products
+
+    def activation_dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
 
     def int4_product(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])

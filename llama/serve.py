@@ -39,7 +39,9 @@ def parse_args(argv: Optional[List[str]], prog: Optional[str] = None) -> argpars
         "--noprefix_cache",
         dest="prefix_cache",
         action="store_false",
-        help="prefill every prompt in full (default: reuse the start of a prompt that a cache row already holds)",
+        help="prefill every prompt in full, as Meta's code does (default: reuse the start of a prompt that a cache row "
+        "already holds: in float32 the same greedy tokens; in bfloat16 a near-tie may break otherwise, and a seeded "
+        "sample can differ from a cold run's)",
     )
     parser.add_argument("--device", help='"cuda", "cpu", ... (default: CUDA when available)')
     parser.add_argument("--dtype", help='"bfloat16", "float16" or "float32" (default: per device)')

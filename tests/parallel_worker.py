@@ -58,6 +58,7 @@ def main() -> None:
         timeout=timedelta(seconds=args.timeout),
         compile=args.compile,
         quantize=args.quantize,
+        prefix_cache=True,  # the next turn below reuses the first's cache
     )
     if rank == 0:  # the library prints nothing; its report of the load is the caller's to show
         print(generator.load_report)

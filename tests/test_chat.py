@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import on_a_terminal, read_until, wait_for_exit
 
+from llama import Llama
 from llama.chat import ChatSession, run_chat
 from llama.runtime.cached_tokens import common_prefix_length
 from llama.tokenizer import ChatFormat, Tokenizer
@@ -78,7 +79,8 @@ def test_end_of_input_ends_the_session(tiny_llama):
 def test_each_turn_runs_only_what_changed_after_system_and_load(tiny_llama):
     """The chat's next turn reuses the cache up to where its prompt first differs from what the cache holds: the
     whole dialog after a plain turn, the start before the system prompt's text after /system, the shared start
-    after /load."""
+    after /load. (`llama chat` builds with prefix_cache=True; here a second `Llama` on the same model does.)"""
+    tiny_llama = Llama(tiny_llama.model, tiny_llama.tokenizer, prefix_cache=True)
     out = io.StringIO()
     session = ChatSession(tiny_llama, system_prompt="Be brief.", temperature=0, max_gen_len=4, out=out)
     tiny_llama.model.cached.forget()

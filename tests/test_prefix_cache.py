@@ -33,7 +33,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def warm(checkpoint, tokenizer_path, process_group):
-    return Llama.build(str(checkpoint), tokenizer_path, max_seq_len=256, max_batch_size=2, device="cpu")
+    return Llama.build(
+        str(checkpoint), tokenizer_path, max_seq_len=256, max_batch_size=2, device="cpu", prefix_cache=True
+    )
 
 
 @pytest.fixture(scope="module")

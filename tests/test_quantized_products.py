@@ -70,20 +70,45 @@ def test_the_cpu_widens_int8_prompts_in_blocks_to_the_same_product(process_group
     torch.testing.assert_close(layer.widened_product(x), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_the_cpu_chooses_an_int8_product_per_row_count_by_timing_them(process_group, monkeypatch):
-    """Timed on a sample of each weight's rows: whichever product is faster at a row count runs it."""
-    from llama.runtime import quantized_kernels
+def products_where(faster: str) -> dict:
+    """CPU int8 products (stand-ins) of which `faster` takes no time and the other 3 ms."""
 
     def slow(x, q, scales):
         time.sleep(0.003)
         return x
 
+    return {name: (lambda x, q, scales: x) if name == faster else slow for name in ("int8", "widened")}
+
+
+def test_the_cpu_chooses_an_int8_product_per_row_count_by_timing_them(process_group, tmp_path, monkeypatch):
+    """Timed on a sample of each weight's rows: whichever product is faster at a row count runs it."""
+    from llama.runtime import quantized_kernels
+
     layer = int8_layer()
     for faster in ("int8", "widened"):
-        products = {name: (lambda x, q, scales: x) if name == faster else slow for name in ("int8", "widened")}
-        monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / faster))  # a machine that has measured nothing
+        monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products_where(faster))
         quantized_kernels.choose_quantized_kernels(layer)
         assert layer.kernels == tuple((rows, faster) for rows in quantized_kernels.CPU_TIMED_ROWS)
+
+
+def test_an_int8_choice_once_timed_is_kept_by_every_later_load(process_group, tmp_path, monkeypatch):
+    """The products round differently, so the first timing's choice is cached and every later choice on this
+    machine (in this process, or a new one reading the file) is the same, though the products now time otherwise."""
+    from llama.cpu import KernelCache
+    from llama.runtime import quantized_kernels
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    layer = int8_layer()
+    monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products_where("widened"))
+    quantized_kernels.choose_quantized_kernels(layer)
+    first = layer.kernels
+    monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products_where("int8"))
+    quantized_kernels.choose_quantized_kernels(layer)
+    assert layer.kernels == first == tuple((rows, "widened") for rows in quantized_kernels.CPU_TIMED_ROWS)
+    KernelCache.IN_PROCESS.clear()  # as a new process starts: from the file
+    quantized_kernels.choose_quantized_kernels(layer)
+    assert layer.kernels == first
 
 
 def test_an_environment_variable_pins_one_product_and_nothing_is_timed(process_group, monkeypatch):

@@ -77,13 +77,8 @@ def test_streamed_chat_equals_chat_completion_with_same_seed(tiny_llama):
         [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Où est la gare ?"}],
         [{"role": "user", "content": "Write a haiku about llamas 🦙"}],
     ]
-    # Both from a cache that holds nothing: the second call would otherwise reuse the first's prompt, and a last
-    # prompt token run alone rounds otherwise than in the whole prompt, enough to move a seeded draw from this
-    # random model's flat distributions (test_generation checks reuse itself).
-    tiny_llama.model.cached.forget()
     torch.manual_seed(3)
     expected = tiny_llama.chat_completion(dialogs, max_gen_len=20)
-    tiny_llama.model.cached.forget()
     torch.manual_seed(3)
     chunks = list(tiny_llama.chat_completion_stream(dialogs, max_gen_len=20))
     for i, result in enumerate(expected):

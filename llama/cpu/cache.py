@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 import torch
 
 from llama.cpu.kernels import KERNELS
+from llama.quantize import QUANTIZED_PRODUCTS
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +83,10 @@ class Measured:
     seconds: Dict[str, float]
     median: Dict[str, float]
     fp16_copy: Optional[float] = None
-    # Whether its rounds disagreed even when timed again (`llama.cpu.choice.NOISE`): a busy machine's figures, used
-    # for the load that measured them but never cached.
+    # Whether its rounds disagreed even when timed again (`llama.cpu.choice.NOISE`): a busy machine's figures, cached
+    # all the same (with a warning), since a choice once made stays.
     noisy: bool = False
-    # Whether a later load's re-check found these figures still hold (`llama.cpu.choice.cached_timings_stale`): then
+    # Whether a later load's re-check found these figures still hold (`llama.cpu.choice.recheck_cached_timings`): then
     # no load re-checks them again.
     confirmed: bool = False
 
@@ -98,19 +99,26 @@ class KernelCache:
     """What measuring found here (`Measured`), in `$XDG_CACHE_HOME/llama3/kernels.json` (or
     ~/.cache/llama3/kernels.json), keyed by the CPU, its flags (and `instruction_caps`), the torch version, the
     thread count, the product, the rows and the candidates: a later load on the same CPU with the same torch
-    chooses from it without measuring. A file that cannot be read, or holds anything else, is ignored (the kernels
-    are measured again and the file rewritten); one that cannot be written is skipped."""
+    chooses from it without measuring, so that it runs the same kernels and gives the same results.
+
+    Every measurement is kept, and an entry is never replaced: the kernels of a product could round its sums
+    otherwise, and the same command must give the same tokens on every run. Deleting the file measures again.
+    What a process measured or read also stays in `IN_PROCESS`, so that every load in the process chooses alike
+    even where the file cannot be written. A file that cannot be read, or holds anything else, is ignored (the
+    kernels are measured again and the file rewritten); one that cannot be written is skipped."""
 
     FORMAT = 3
+    # Entries measured or read in this process, by cache file: they win over what the file holds now.
+    IN_PROCESS: Dict[Path, Dict[str, dict]] = {}
 
     def __init__(self):
         root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         self.path = Path(root) / "llama3" / "kernels.json"
         flags = " ".join(cpu_flags() + instruction_caps())
         self.machine = f"{cpu_name()} [{flags}], torch {torch.__version__}, {torch.get_num_threads()} threads"
-        self.entries = self.read()
+        self.seen = self.IN_PROCESS.setdefault(self.path, {})
+        self.entries = {**self.read(), **self.seen}
         self.measured = {}
-        self.forgotten = set()
 
     def read(self) -> Dict[str, dict]:
         try:
@@ -142,7 +150,7 @@ class KernelCache:
             return False
         figures = [*seconds.values(), *median.values(), entry.get("fp16_copy", 0.0)]
         numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in figures)
-        return numbers and set(seconds) == set(median) and set(seconds) <= set(KERNELS)
+        return numbers and set(seconds) == set(median) and set(seconds) <= set(KERNELS) | set(QUANTIZED_PRODUCTS)
 
     def key(self, product: str, rows: int, candidates: List[str]) -> str:
         return f"{self.machine} | {product} | {rows} rows | {' '.join(candidates)}"
@@ -151,14 +159,8 @@ class KernelCache:
         entry = self.entries.get(key)
         if entry is None:
             return None
+        self.seen[key] = entry
         return Measured(entry["seconds"], entry["median"], entry.get("fp16_copy"), confirmed="confirmed" in entry)
-
-    def forget(self, keys: List[str]) -> None:
-        """Drop `keys`' entries, which no longer hold on this machine: `save` writes what is measured in their place."""
-        for key in keys:
-            self.entries.pop(key, None)
-            self.measured.pop(key, None)
-        self.forgotten.update(keys)
 
     def put(self, key: str, measured: Measured) -> None:
         entry = {"seconds": measured.seconds, "median": measured.median}
@@ -166,17 +168,16 @@ class KernelCache:
             entry["fp16_copy"] = measured.fp16_copy
         if measured.confirmed:
             entry["confirmed"] = True
-        self.entries[key] = self.measured[key] = entry
+        self.entries[key] = self.measured[key] = self.seen[key] = entry
 
     def save(self) -> None:
         """Write what was measured since this cache was read, with what the file holds now (another process may
-        have added its own) but the forgotten entries, replacing the file in one step."""
-        if not self.measured and not self.forgotten:
+        have added its own), replacing the file in one step."""
+        if not self.measured:
             return
-        kept = {key: entry for key, entry in self.read().items() if key not in self.forgotten}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({"format": self.FORMAT, "measured": {**kept, **self.measured}}, indent=1)
+            text = json.dumps({"format": self.FORMAT, "measured": {**self.read(), **self.measured}}, indent=1)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as file:
                 file.write(text)
             os.replace(file.name, self.path)

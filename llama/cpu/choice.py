@@ -41,12 +41,12 @@ TIMED_ROUNDS = 5
 PROMPT_TIMED_ROUNDS = 2  # a prompt's calls are steadier, and each costs some 20 decode calls
 # The rounds disagree when a kernel's fastest round beats the best median round by more than this many times: the
 # machine was busy (another program took the cores for part of the measurement), and may have decided the choice.
-# Such timings are taken once more, and if they still disagree, used for this load only, never cached (docs/speed.md,
+# Such timings are taken once more, and if they still disagree, cached all the same with a warning (docs/speed.md,
 # "A busy machine").
 NOISE = 1.3
 # At a load that finds its timings cached, the kernels of the largest one-row product are timed again (this many
 # rounds): if another now leads the cached choice, or the choice runs this many times faster than the cache says,
-# the cache was measured on a busier machine, and every product is measured again.
+# the cache was measured on a busier machine, and a warning says how to measure again.
 RECHECK_ROUNDS = 3
 STALE = 1.5
 FLIPPED = 1.2  # by more than this: closer than that, either kernel serves
@@ -269,16 +269,14 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> Dict[CP
                     jobs.append(Job(name, layers, rows, candidates, key))
         if jobs or cached:
             flush = CacheFlush()
-            if cached and cached_timings_stale(cached, measured, flush, cache):
-                cache.forget([job.key for job in cached])
-                jobs += cached
+            if cached:
+                recheck_cached_timings(cached, measured, flush, cache)
             if jobs:
                 found = measure(jobs, flush)
                 for job in jobs:
-                    if not found[job.key].noisy:
-                        cache.put(job.key, found[job.key])
+                    cache.put(job.key, found[job.key])
                     measured[job.name, job.rows] = found[job.key], "measured" + (", busy" * found[job.key].noisy)
-                warn_if_busy([job for job in jobs if found[job.key].noisy])
+                warn_if_busy([job for job in jobs if found[job.key].noisy], cache)
             del flush
     for name, layers in by_name.items():
         timings = {rows: m for (product, rows), (m, _) in measured.items() if product == name}
@@ -318,33 +316,36 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> Dict[CP
     }
 
 
-def cached_timings_stale(
+def recheck_cached_timings(
     cached: List[Job], measured: Dict[tuple, tuple], flush: Callable[[], object], cache: KernelCache
-) -> bool:
-    """Whether the cached timings of `cached` (their `measured` entries) no longer hold here: the largest one-row
+) -> None:
+    """Warn where the cached timings of `cached` (their `measured` entries) no longer hold here: the largest one-row
     product's kernels, timed again (`RECHECK_ROUNDS`), put another kernel's usual round `FLIPPED` times ahead of the
     cached choice's fastest, or the cached choice's fastest round was `STALE` times its usual round now, so the
-    cache was measured on a busier machine. A re-check whose own rounds disagree (a busy machine now) cannot tell,
-    and keeps the cache; one that finds the figures hold marks them `confirmed`, and later loads re-check no more."""
+    cache was measured on a busier machine. The cached choice stays (another kernel could change the results); the
+    warning says how to measure again. A re-check whose own rounds disagree (a busy machine now) cannot tell; one
+    that finds the figures hold marks them `confirmed`, and later loads re-check no more."""
     one_row = [job for job in cached if job.rows == 1 and len(measured[job.name, 1][0].median) > 1]
     if not one_row:
-        return False
+        return
     job = max(one_row, key=lambda job: sum(layer.weight.numel() for layer in job.layers))
     before = measured[job.name, 1][0]
     if before.confirmed:
-        return False
+        return
     now = measure([job], flush, RECHECK_ROUNDS)[job.key]
     choice, fastest_now = before.fastest(), now.fastest()
     if now.noisy or choice not in now.median:
-        return False  # busy now, or the cached choice cannot run: cannot tell
+        return  # busy now, or the cached choice cannot run: cannot tell
     # Each side's own spread counts against it: the choice's fastest round must lose to the other's usual one, and
     # the cached fastest round must be slower than the usual one now (noise alone seldom does either).
     flipped = now.seconds[choice] > FLIPPED * now.median[fastest_now]
     busier = before.seconds[choice] > STALE * now.median[choice]
     if flipped or busier:
-        logger.info(
-            "The cached CPU kernel timings in %s no longer hold (%s, 1 row, ms per million weights: %s now %.3g, "
-            "cached %.3g; %s now %.3g): measuring every product again",
+        logger.warning(
+            "The CPU kernel timings cached in %s look measured on a busier machine (%s, 1 row, ms per million "
+            "weights: %s now %.3g, cached %.3g; %s now %.3g). They stay, so that this load gives the tokens earlier "
+            "loads gave; delete the file to measure again (decoding may get faster, and its results may change in "
+            "the last digits once)",
             cache.path,
             job.name,
             choice,
@@ -353,19 +354,19 @@ def cached_timings_stale(
             fastest_now,
             now.median[fastest_now] * 1e9,
         )
-    elif not now.noisy:
+    else:
         cache.put(job.key, dataclasses.replace(before, confirmed=True))
-    return flipped or busier
 
 
-def warn_if_busy(noisy: List[Job]) -> None:
+def warn_if_busy(noisy: List[Job], cache: KernelCache) -> None:
     if noisy:
         logger.warning(
             "The CPU was busy while its kernels were measured (the rounds of %d of them disagreed by more than "
-            "%d%% even when timed again): chosen from those figures for this load, but not cached, so the next "
-            "load measures again",
+            "%d%% even when timed again): chosen from those figures and cached, so that later loads give the same "
+            "tokens; delete %s when the machine is quiet to measure again",
             len(noisy),
             round((NOISE - 1) * 100),
+            cache.path,
         )
 
 

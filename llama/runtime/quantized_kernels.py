@@ -5,7 +5,8 @@ every scheme, on the CPU for int8 (PyTorch's kernel, or the weight widened a blo
 Which one is fastest depends on the GPU, the PyTorch build and the weight's shape (on an H100 with PyTorch 2.11,
 PyTorch's int8 kernel was the slowest at every row count, and tinygemm lost to a widened weight beyond a few rows:
 docs/cuda.md), so it is measured, not assumed. The products give the same values up to the order of float32 sums
-and where the widened weight is rounded.
+and where the widened weight is rounded, so a choice once timed is kept in the kernel cache (`KernelCache`, with the
+CPU's float kernels): every later load on this machine runs the same products and gives the same results.
 """
 
 import functools
@@ -16,9 +17,17 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from llama.cpu.cache import KernelCache, Measured
 from llama.cuda_graphs import record
-from llama.quantize import Int4Linear, Int8Linear, QuantizedLinear, int8_kernel_product, widened_in_blocks
-from llama.timing import median_seconds
+from llama.quantize import (
+    QUANTIZED_PRODUCTS,
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    int8_kernel_product,
+    widened_in_blocks,
+)
+from llama.timing import timed
 
 # Row counts at which each product is timed: a decode step of one sequence (the only count at which the "fused"
 # int8 product is compiled), a batch's step, a short prompt, a long one.
@@ -34,8 +43,9 @@ SCREEN = 4  # products more than this many times slower than the best at a first
 
 def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Tuple[Tuple[int, str], ...]]:
     """Step 5: set each quantized layer's `kernels` where it has more than one product (on a GPU every one; on the
-    CPU the int8 ones), timed once per (type, weight shape); free the int4 weights' second copies no chosen product
-    reads. Returns the choices by (type name, out, in)."""
+    CPU the int8 ones), chosen once per (type, weight shape) from the kernel cache or timed; free the int4 weights'
+    second copies no chosen product reads. Returns the choices by (type name, out, in)."""
+    cache = KernelCache()
     choices = {}
     for layer in model.modules():
         on_cpu = isinstance(layer, QuantizedLinear) and layer.weight.device.type == "cpu"
@@ -44,14 +54,30 @@ def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Tuple[Tuple[int, s
         key = (type(layer).__name__, layer.out_features, layer.in_features)
         if key not in choices:
             pinned = pinned_product(layer)
-            if pinned is not None:
-                choices[key] = ((1, pinned),)
-            else:
-                choices[key] = cpu_int8_choice(layer) if on_cpu else gpu_choice(layer)
+            choices[key] = ((1, pinned),) if pinned is not None else measured_choice(layer, cache)
         layer.kernels = choices[key]
         if isinstance(layer, Int4Linear):
             layer.drop_unused_copies()
+    cache.save()
     return choices
+
+
+def measured_choice(layer: QuantizedLinear, cache: KernelCache) -> Tuple[Tuple[int, str], ...]:
+    """The fastest product of `layer` at each timed row count, from `cache` where it holds the row count's timings
+    (measured by an earlier load here: the same choice, so the same results), else timed now and cached."""
+    on_cpu = layer.weight.device.type == "cpu"
+    device = "CPU" if on_cpu else torch.cuda.get_device_name(layer.weight.device)
+    product = f"{type(layer).__name__} {layer.activation_dtype()} {layer.out_features}x{layer.in_features} on {device}"
+    choice = []
+    for rows in CPU_TIMED_ROWS if on_cpu else TIMED_ROWS:
+        candidates = sorted(CPU_INT8_PRODUCTS if on_cpu else layer.products(rows))
+        key = cache.key(product, rows, candidates)
+        measured = cache.get(key)
+        if measured is None:
+            measured = cpu_int8_timings(layer, rows) if on_cpu else gpu_timings(layer, rows)
+            cache.put(key, measured)
+        choice.append((rows, measured.fastest()))
+    return tuple(choice)
 
 
 def pinned_product(layer: QuantizedLinear) -> Optional[str]:
@@ -61,57 +87,57 @@ def pinned_product(layer: QuantizedLinear) -> Optional[str]:
     name = os.environ.get(PRODUCT_VARIABLE, "").strip()
     if not name:
         return None
-    known = {"int8", "widened", "tinygemm", "dequantized"}
+    known = sorted(set(QUANTIZED_PRODUCTS) - {"fused"})
     if name not in known:
-        raise ValueError(
-            f"{PRODUCT_VARIABLE}={name!r} is not a quantized product: set one of {sorted(known)}, or unset it"
-        )
+        raise ValueError(f"{PRODUCT_VARIABLE}={name!r} is not a quantized product: set one of {known}, or unset it")
     return name if name in layer.products(2) else None
 
 
-def gpu_choice(layer: QuantizedLinear) -> Tuple[Tuple[int, str], ...]:
-    return tuple((rows, fastest_product(layer, rows)) for rows in TIMED_ROWS)
-
-
-def cpu_int8_choice(layer: Int8Linear) -> Tuple[Tuple[int, str], ...]:
-    """The faster CPU int8 product at each of `CPU_TIMED_ROWS`, timed on the weight's first rows (about
-    `CPU_SAMPLE_VALUES` weights: each output row is computed alone, so its time per weight is the whole weight's)."""
+def cpu_int8_timings(layer: Int8Linear, rows: int) -> Measured:
+    """Each CPU int8 product's time for `rows` rows, timed on the weight's first rows (about `CPU_SAMPLE_VALUES`
+    weights: each output row is computed alone, so its time per weight is the whole weight's)."""
     sample = max(1, CPU_SAMPLE_VALUES // layer.in_features)
     q, scales = layer.weight[:sample], layer.scales[:sample]
     products = {name: functools.partial(product, q=q, scales=scales) for name, product in CPU_INT8_PRODUCTS.items()}
-    choice = []
-    for rows in CPU_TIMED_ROWS:
-        x = torch.randn(rows, layer.in_features, dtype=scales.dtype)
-        choice.append((rows, fastest(products, x, repeats=3)))
-    return tuple(choice)
+    return product_timings(products, torch.randn(rows, layer.in_features, dtype=scales.dtype), repeats=3)
 
 
-def fastest_product(layer: QuantizedLinear, rows: int) -> str:
-    dtype = layer.scales_and_zeros.dtype if isinstance(layer, Int4Linear) else layer.scales.dtype
-    x = torch.randn(rows, layer.in_features, device=layer.weight.device, dtype=dtype)
-    return fastest(layer.products(rows), x, repeats=3)
+def gpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
+    x = torch.randn(rows, layer.in_features, device=layer.weight.device, dtype=layer.activation_dtype())
+    return product_timings(layer.products(rows), x, repeats=3)
 
 
 def fastest(products: Dict[str, Callable], x: torch.Tensor, repeats: int = 5) -> str:
-    """The name of the product that runs `x` fastest; one that raises (no such kernel on this device or build) is
-    out of the running. On CUDA each is timed as a recorded CUDA graph (`gpu_seconds`), as a decode step runs."""
-    calls, first = {}, {}
+    """The name of the product that runs `x` fastest (`product_timings`)."""
+    return product_timings(products, x, repeats).fastest()
+
+
+def product_timings(products: Dict[str, Callable], x: torch.Tensor, repeats: int = 5) -> Measured:
+    """The seconds each product takes to run `x`; one that raises (no such kernel on this device or build) is out of
+    the running. On the CPU, the fastest and the median of `repeats` timed calls after a warm-up one. On CUDA each is
+    timed as a recorded CUDA graph (`gpu_seconds`), as a decode step runs, unless its first call was `SCREEN` times
+    the best first call: that call's time is then its figure."""
+    calls, rounds = {}, {}
+    cpu = x.device.type == "cpu"
     for name, product in products.items():
         call = lambda product=product: product(x)  # noqa: E731
         try:
-            # After a warm-up call (a compiled product compiles): on the CPU the timing, on a GPU a first screen.
-            first[name] = median_seconds(call, repeats if x.device.type == "cpu" else 1, x.device)
+            call()  # a warm-up call (a compiled product compiles)
+            rounds[name] = [timed(call, x.device) for _ in range(repeats if cpu else 1)]
         except (RuntimeError, NotImplementedError):
             continue
         calls[name] = call
     if not calls:
         raise ValueError(f"None of the products {sorted(products)} runs on {x.device}")
-    if x.device.type == "cpu":
-        return min(first, key=first.get)
+    if cpu:
+        return Measured({k: min(r) for k, r in rounds.items()}, {k: statistics.median(r) for k, r in rounds.items()})
     # A product several times slower than the best at its first call is not recorded and replayed (PyTorch's int8
     # kernel took 28 ms for 512 rows of a 6144 x 4096 weight on an H100, 760 times bfloat16's time).
-    close = [name for name in calls if first[name] <= SCREEN * min(first.values())]
-    return min(close, key=lambda name: graph_seconds_or_first(calls[name], first[name], repeats))
+    first = {name: r[0] for name, r in rounds.items()}
+    seconds = dict(first)
+    for name in [name for name in calls if first[name] <= SCREEN * min(first.values())]:
+        seconds[name] = graph_seconds_or_first(calls[name], first[name], repeats)
+    return Measured(seconds, dict(seconds))
 
 
 def graph_seconds_or_first(call: Callable[[], object], first: float, repeats: int) -> float:
