@@ -1,9 +1,10 @@
 import sys
 from typing import List
 
-from llama import Dialog, Llama, command_line
-from llama.chat import run_chat
+from llama import Dialog, Llama
 from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.cli import common
+from llama.cli.chat import run_chat
 from llama.decoding import check_sampling
 
 
@@ -82,9 +83,9 @@ def main(
     if system_prompt is not None and not interactive:
         raise ValueError("system_prompt is for the terminal chat only; add interactive, or leave it out")
     if not interactive:
-        command_line.check_prompts_fit(ckpt_dir, tokenizer_path, dialogs, max_seq_len, max_batch_size)
+        common.check_prompts_fit(ckpt_dir, tokenizer_path, dialogs, max_seq_len, max_batch_size)
     # Every rank computes the same replies; only the first one prints them.
-    sys.stdout = command_line.rank0_stream(sys.stdout)
+    sys.stdout = common.rank0_stream(sys.stdout)
 
     generator = Llama.build(
         ckpt_dir=ckpt_dir,
@@ -118,4 +119,4 @@ def main(
 
 
 if __name__ == "__main__":
-    command_line.run(main)
+    common.run(main)

@@ -1,8 +1,9 @@
 import sys
 from typing import List
 
-from llama import Llama, command_line
+from llama import Llama
 from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.cli import common
 from llama.decoding import check_sampling
 
 
@@ -60,9 +61,9 @@ def main(
         "bread =>",
     ]
     check_sampling(temperature, top_p, max_gen_len)  # before the minutes a load can take
-    command_line.check_prompts_fit(ckpt_dir, tokenizer_path, prompts, max_seq_len, max_batch_size)
+    common.check_prompts_fit(ckpt_dir, tokenizer_path, prompts, max_seq_len, max_batch_size)
     # Every rank computes the same completions; only the first one prints them.
-    sys.stdout = command_line.rank0_stream(sys.stdout)
+    sys.stdout = common.rank0_stream(sys.stdout)
 
     generator = Llama.build(
         ckpt_dir=ckpt_dir,
@@ -90,4 +91,4 @@ def main(
 
 
 if __name__ == "__main__":
-    command_line.run(main)
+    common.run(main)

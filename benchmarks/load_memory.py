@@ -4,7 +4,7 @@
     python benchmarks/load_memory.py --shards 2 --nprocs 1 2 4 --dtype float32
     python benchmarks/load_memory.py --ckpt-dir DIR --nprocs 8    # an existing Meta checkpoint
     python benchmarks/load_memory.py --nprocs 1 --quantize int4   # quantized as it loads: Llama.build(quantize=)
-    python benchmarks/load_memory.py --nprocs 1 --quantize int4 --saved  # a `llama.convert quantize` checkpoint
+    python benchmarks/load_memory.py --nprocs 1 --quantize int4 --saved  # a `llama.cli.convert quantize` checkpoint
 
 It writes a random checkpoint in Meta's layout (bf16, as Meta ships them) to a temporary folder, then runs
 `torchrun --nproc_per_node M` on that same folder for each M (so N shards on disk are merged or split for M
@@ -131,8 +131,7 @@ def worker(ckpt_dir: str, tokenizer_path: str, out_dir: str, dtype: str, quantiz
 
 
 def write_checkpoint(out_dir: Path, params: dict, n_shards: int, seed: int) -> None:
-    from llama.checkpoint import write_meta_checkpoint
-    from llama.demo import random_weights
+    from llama.checkpoint import random_weights, write_meta_checkpoint
 
     write_meta_checkpoint(out_dir, params, random_weights(params, seed), n_shards)
 
@@ -196,9 +195,9 @@ def main() -> None:
             write_checkpoint(ckpt_dir, params, args.shards, args.seed)
             print(f"  done in {time.time() - start:.1f} s", flush=True)
         if args.saved:
-            from llama.convert import quantize_checkpoint
+            from llama.checkpoint.convert import quantize_checkpoint
 
-            print(f"Quantizing it to {args.quantize} with llama.convert ...", flush=True)
+            print(f"Quantizing it to {args.quantize} with llama.cli.convert ...", flush=True)
             quantize_checkpoint(ckpt_dir, tmp / "quantized", args.quantize, model_parallel_size=args.shards)
             ckpt_dir = tmp / "quantized"
         shards = sorted(ckpt_dir.glob("*.pth"))

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/load_path.py                 # a tiny float32 checkpoint on the CPU
     PYTHONPATH=. python benchmarks/load_path.py --quantize int8 # the same, quantized as it loads
-    PYTHONPATH=. python benchmarks/load_path.py --saved int4    # a checkpoint saved quantized (llama.convert quantize)
+    PYTHONPATH=. python benchmarks/load_path.py --saved int4    # a checkpoint saved quantized (llama convert quantize)
 
 It writes a tiny random checkpoint (dim 64, 2 layers, the real vocabulary), builds it once (imports, the CPU
 kernels' measurements), then builds it again with every call of a function of the package recorded
@@ -159,7 +159,7 @@ def tiny_checkpoint(root: Path, saved: Optional[str] = None) -> Path:
 
     ckpt_dir = make_checkpoint(root / "tiny")
     if saved:
-        from llama.convert import main as convert
+        from llama.cli.convert import main as convert
 
         convert(["quantize", str(ckpt_dir), str(root / saved), "--scheme", saved])
         ckpt_dir = root / saved

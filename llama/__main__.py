@@ -1,7 +1,7 @@
 """`python -m llama`: the same as the installed `llama` command."""
 
 try:
-    from llama.commands import main
+    from llama.cli.main import main
 except KeyboardInterrupt:  # Ctrl-C while the command's modules import: the one line and status it gives later
     import sys
 

@@ -98,8 +98,7 @@ TINY_PARAMS = {
 
 def make_checkpoint(out_dir, params=None, n_shards: int = 1, seed: int = 0) -> Path:
     """Write a random checkpoint (params.json + consolidated.NN.pth) and return its folder."""
-    from llama.checkpoint import write_meta_checkpoint
-    from llama.demo import random_weights
+    from llama.checkpoint import random_weights, write_meta_checkpoint
 
     params = dict(TINY_PARAMS if params is None else params)
     write_meta_checkpoint(out_dir, params, random_weights(params, seed), n_shards)

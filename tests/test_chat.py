@@ -13,7 +13,7 @@ import pytest
 from helpers import on_a_terminal, read_until, wait_for_exit
 
 from llama import Llama
-from llama.chat import ChatSession, run_chat
+from llama.cli.chat import ChatSession, run_chat
 from llama.runtime.cached_tokens import common_prefix_length
 from llama.tokenizer import ChatFormat, Tokenizer
 
@@ -171,9 +171,9 @@ def test_ctrl_c_with_several_processes_ends_the_chat_at_once(tiny_llama, monkeyp
     """Under torchrun, Ctrl-C also reaches torchrun, which stops every process: the chat must not offer a prompt
     that is about to be killed. An answer interrupted ends the process; Ctrl-C at the prompt tells the others to
     end too (rank 0 broadcasts it)."""
-    import llama.chat
+    import llama.cli.chat
 
-    monkeypatch.setattr(llama.chat, "several_processes", lambda: True)
+    monkeypatch.setattr(llama.cli.chat, "several_processes", lambda: True)
     out = io.StringIO()
     session = ChatSession(InterruptingGenerator(tiny_llama), temperature=0, max_gen_len=20, out=out)
     with pytest.raises(SystemExit) as ended:
@@ -184,10 +184,10 @@ def test_ctrl_c_with_several_processes_ends_the_chat_at_once(tiny_llama, monkeyp
     def interrupted(prompt):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llama.chat.dist, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(llama.chat.dist, "get_world_size", lambda group=None: 1)  # nothing to broadcast to here
+    monkeypatch.setattr(llama.cli.chat.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(llama.cli.chat.dist, "get_world_size", lambda group=None: 1)  # nothing to broadcast to here
     with pytest.raises(SystemExit) as ended:  # at the prompt: every rank ends, rank 0 saying so
-        llama.chat.read_line("User: ", interrupted, group=None)
+        llama.cli.chat.read_line("User: ", interrupted, group=None)
     assert ended.value.code == 130
 
 

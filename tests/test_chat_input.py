@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from llama.chat import ChatSession, run_chat
-from llama.chat_input import load_dialog, read_message
+from llama.cli.chat import ChatSession, run_chat
+from llama.cli.chat_input import load_dialog, read_message
 
 
 def reader(*lines):

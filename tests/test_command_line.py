@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llama import command_line
+from llama.cli import common
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,12 +33,12 @@ def example_main(ckpt_dir: str, max_seq_len: int = 128, compile: bool = False):
     ],
 )
 def test_unknown_flags_are_found_before_running(argv, unknown):
-    assert command_line.unknown_flags(argv, ["ckpt_dir", "max_seq_len", "compile"]) == unknown
+    assert common.unknown_flags(argv, ["ckpt_dir", "max_seq_len", "compile"]) == unknown
 
 
 def test_a_mistyped_flag_stops_with_the_valid_flags(capsys):
     with pytest.raises(SystemExit) as stopped:
-        command_line.run(example_main, ["--ckpt_dir", "x", "--max_sequence_len", "64"])
+        common.run(example_main, ["--ckpt_dir", "x", "--max_sequence_len", "64"])
     assert stopped.value.code == 2
     assert capsys.readouterr().err == (
         "error: unknown flag --max_sequence_len; the flags are: --ckpt_dir, --max_seq_len, --compile\n"
@@ -50,7 +50,7 @@ def test_a_user_error_is_one_line_naming_the_flag(capsys):
         raise ValueError(f"5 prompts exceed max_batch_size={max_batch_size}; raise max_batch_size (in {ckpt_dir}/x)")
 
     with pytest.raises(SystemExit) as stopped:
-        command_line.run(main, ["/data/max_batch_size", "--max_batch_size", "4"])
+        common.run(main, ["/data/max_batch_size", "--max_batch_size", "4"])
     assert stopped.value.code == 2
     assert capsys.readouterr().err == (
         "error: 5 prompts exceed --max_batch_size=4; raise --max_batch_size (in /data/max_batch_size/x)\n"
@@ -59,11 +59,11 @@ def test_a_user_error_is_one_line_naming_the_flag(capsys):
 
 def test_what_every_process_computes_is_shown_by_the_first_only(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)  # one process, no torchrun: it shows everything
-    assert command_line.rank0_stream(sys.stdout) is sys.stdout
+    assert common.rank0_stream(sys.stdout) is sys.stdout
     monkeypatch.setenv("RANK", "0")
-    assert command_line.rank0_stream(sys.stderr) is sys.stderr
+    assert common.rank0_stream(sys.stderr) is sys.stderr
     monkeypatch.setenv("RANK", "1")
-    elsewhere = command_line.rank0_stream(sys.stdout)
+    elsewhere = common.rank0_stream(sys.stdout)
     assert elsewhere is not sys.stdout and elsewhere.name == os.devnull
     print("dropped", file=elsewhere, flush=True)
 
@@ -73,7 +73,7 @@ def test_a_programming_error_keeps_its_traceback():
         raise KeyError("a bug")
 
     with pytest.raises(KeyError, match="a bug"):
-        command_line.run(main, ["x"])
+        common.run(main, ["x"])
 
 
 @pytest.mark.slow

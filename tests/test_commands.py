@@ -19,7 +19,7 @@ import pytest
 from helpers import on_a_terminal, read_until, wait_for_exit
 
 import llama
-import llama.commands
+import llama.cli.main
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_ONLY = {"ckpt_dir", "interactive", "cuda_graphs"}  # the example's; `llama` has CKPT_DIR, --nocuda_graphs
@@ -81,7 +81,7 @@ def test_version_is_the_package_version_and_the_installed_one(monkeypatch):
 def test_version_and_help_answer_before_torch_loads():
     """The command line's own modules (and the sampling defaults its flags show) import no torch: `--version` and
     `-h` answer in a fraction of a second, as llama/__init__.py promises."""
-    code = "import sys, llama.commands; print('torch' in sys.modules)"
+    code = "import sys, llama.cli.main; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
@@ -91,10 +91,10 @@ def test_the_console_script_is_declared_and_runs_the_same_main(monkeypatch):
     with mock.patch("setuptools.setup") as setup:
         runpy.run_path(str(ROOT / "setup.py"), run_name="__main__")
     scripts = setup.call_args.kwargs["entry_points"]["console_scripts"]
-    assert scripts == ["llama = llama.commands:main"]
+    assert scripts == ["llama = llama.cli.main:main"]
     module, function = scripts[0].split(" = ")[1].split(":")
     main = getattr(__import__(module, fromlist=[function]), function)
-    assert main is llama.commands.main
+    assert main is llama.cli.main.main
     assert runpy.run_path(str(ROOT / "llama" / "__main__.py"))["main"] is main  # python -m llama
 
 
@@ -106,7 +106,7 @@ def test_only_the_documented_modules_run_as_programs():
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
                 programs.add(path.relative_to(ROOT).as_posix())
-    assert programs == {"llama/__main__.py", "llama/serve.py", "llama/demo.py", "llama/convert.py"}
+    assert programs == {"llama/__main__.py", "llama/serve/__main__.py", "llama/demo.py", "llama/convert.py"}
     for module in ("llama.serve", "llama.demo", "llama.convert"):
         shown = subprocess.run(
             [sys.executable, "-m", module, "-h"], cwd=ROOT, capture_output=True, text=True, env=env()
@@ -178,7 +178,7 @@ def test_flags_may_be_spelt_with_dashes():
     assert (result.returncode, result.stderr) == (2, "error: --top_p must be a number in (0, 1], got 2.0\n")
     for command in ("chat", "complete"):  # every flag shown is one the dashes and the error messages know
         shown = shown_flags(llama_command(command, "-h").stdout) - {"help"}
-        assert shown <= set(llama.commands.FLAGS), shown - set(llama.commands.FLAGS)
+        assert shown <= set(llama.cli.main.FLAGS), shown - set(llama.cli.main.FLAGS)
 
 
 def test_a_prompt_too_long_is_refused_before_the_weights_load(unloadable_checkpoint, tokenizer_path):

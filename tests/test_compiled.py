@@ -10,7 +10,7 @@ import torch
 from helpers import ATOL, GQA_PARAMS, load_tiny
 from torch._dynamo.utils import counters
 
-from llama.demo import random_weights
+from llama.checkpoint import random_weights
 from llama.model import Transformer
 from llama.parallel_layers import ParallelLinear
 from llama.runtime import compiled_decode_step, unpack_layers

@@ -29,6 +29,7 @@ import llama.cpu
 import llama.cpu.choice
 import llama.cpu.kernels
 import llama.cpu.layers
+from llama.checkpoint import random_weights
 from llama.cpu import (
     CPULinear,
     FusedProduct,
@@ -39,7 +40,6 @@ from llama.cpu import (
     onednn_bf16_supported,
     pack_as_fp16,
 )
-from llama.demo import random_weights
 from llama.model import Transformer
 from llama.parallel_layers import ParallelEmbedding, ParallelLinear
 from llama.runtime import use_parallel_layers

@@ -7,9 +7,8 @@ import torch
 from helpers import ATOL, GQA_PARAMS, load_tiny
 
 import llama.cuda_graphs as cuda_graphs
-from llama.checkpoint import check_kv_cache_fits
+from llama.checkpoint import check_kv_cache_fits, random_weights
 from llama.cuda_graphs import CUDAGraphDecodeStep, decode_step_bytes
-from llama.demo import random_weights
 from llama.model import ModelArgs
 from llama.runtime import use_cuda_graphs
 

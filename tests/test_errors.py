@@ -11,8 +11,7 @@ import torch
 from helpers import TINY_PARAMS, make_checkpoint
 
 from llama import Llama, ModelArgs
-from llama.checkpoint import check_model_parallel_size, write_meta_checkpoint
-from llama.demo import random_weights
+from llama.checkpoint import check_model_parallel_size, random_weights, write_meta_checkpoint
 
 BOS = 128000
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import llama.checkpoint.report
-from llama import command_line, demo
 from llama.checkpoint import check_kv_cache_fits
 from llama.checkpoint.report import weights_bar
+from llama.cli import common, demo
 from llama.model import ModelArgs
 from llama.progress import AnnouncedCompiles, Stopwatch
 from llama.quantize import check_scheme
@@ -77,7 +77,7 @@ def test_the_kv_cache_message_names_each_setting_once(monkeypatch, capsys):
     with pytest.raises(ValueError, match=r"lower max_batch_size or max_seq_len$"):
         check_kv_cache_fits(args, 1, torch.device("cpu"), torch.float32)
     # as a command line says it
-    with pytest.raises(SystemExit), command_line.user_errors(["max_batch_size", "max_seq_len"]):
+    with pytest.raises(SystemExit), common.user_errors(["max_batch_size", "max_seq_len"]):
         check_kv_cache_fits(args, 1, torch.device("cpu"), torch.float32)
     message = capsys.readouterr().err
     assert message.endswith("; lower --max_batch_size or --max_seq_len\n")

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from llama.checkpoint import HF_CONFIG_FIELDS, PARAMS_FIELDS, model_args_from, open_checkpoint
-from llama.convert import main as convert_main
+from llama.cli.convert import main as convert_main
 from llama.tokenizer import Tokenizer
 
 BOS = 128000

@@ -9,8 +9,8 @@ from helpers import TINY_PARAMS, import_or_skip, make_checkpoint
 
 from llama import Llama
 from llama.checkpoint import load_model, model_args_from, open_checkpoint
-from llama.convert import main as convert_main
-from llama.convert import meta_to_hf, read_full
+from llama.checkpoint.convert import meta_to_hf, read_full
+from llama.cli.convert import main as convert_main
 from llama.model import FeedForward
 
 transformers = import_or_skip("transformers", 'pip install -e ".[test]"')
@@ -183,8 +183,7 @@ def test_interrupted_conversion_leaves_no_finished_looking_folder(folders, tmp_p
 
 def test_meta_checkpoint_with_rope_freqs_converts(tmp_path, process_group):
     """`rope.freqs`, a table some Meta checkpoints carry, is not a weight: conversion leaves it out."""
-    from llama.checkpoint import write_meta_checkpoint
-    from llama.demo import random_weights
+    from llama.checkpoint import random_weights, write_meta_checkpoint
 
     params = dict(TINY_PARAMS, vocab_size=512)
     tensors = dict(random_weights(params, seed=6), **{"rope.freqs": torch.ones(8)})

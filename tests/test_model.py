@@ -12,8 +12,7 @@ import pytest
 import torch
 from helpers import ATOL, GQA_PARAMS, causal_mask, import_or_skip, incremental_logits, reference_attention
 
-from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
-from llama.demo import random_weights
+from llama.checkpoint import load_model, model_args_from, open_checkpoint, random_weights, write_meta_checkpoint
 from llama.model import (
     Attention,
     FeedForward,

@@ -1,4 +1,4 @@
-"""OpenAI's shapes for the server (`llama.openai_api`, `llama.openai_answers`, `llama.serve_answers`), without a
+"""OpenAI's shapes for the server (`llama.serve.protocol`, `llama.serve.answers`), without a
 server or a model: answers read for tool calls, and the text of answers as tokens arrive (stop strings, multi-byte
 characters)."""
 
@@ -10,10 +10,9 @@ from helpers import import_or_skip
 
 import_or_skip("fastapi", "pip install -e '.[serve]'")
 
-from llama.engine import Output  # noqa: E402
-from llama.openai_answers import AnswerText, tool_calls_out  # noqa: E402
-from llama.openai_api import ChatRequest  # noqa: E402
-from llama.serve_answers import ChatAnswer  # noqa: E402
+from llama.serve.answers import ChatAnswer  # noqa: E402
+from llama.serve.engine import Output  # noqa: E402
+from llama.serve.protocol import AnswerText, ChatRequest, tool_calls_out  # noqa: E402
 from llama.tokenizer import ChatFormat, Tokenizer  # noqa: E402
 
 

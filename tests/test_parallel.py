@@ -30,8 +30,7 @@ from typing import Dict, List, Optional
 import pytest
 from helpers import TINY_PARAMS, make_checkpoint
 
-from llama.checkpoint import split_dim
-from llama.demo import random_weights
+from llama.checkpoint import random_weights, split_dim
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test launches processes, most of them torchrun
 
@@ -278,12 +277,12 @@ def test_resharding(name, n_shards, nproc, checkpoint, reference, two_processes,
 @pytest.mark.parametrize("stored", [False, True], ids=["at-load", "quantized-checkpoint"])
 def test_quantized_two_processes_match_one_process(scheme, n_shards, stored, checkpoint, tokenizer_path, tmp_path):
     """Each process quantizes its own slice, to the same values one process gives the whole weight: row-parallel
-    layers (wo, w2) included, so the greedy tokens are the same. So does a checkpoint quantized by `llama.convert
+    layers (wo, w2) included, so the greedy tokens are the same. So does a checkpoint quantized by `llama convert
     quantize`, from its native shards or resharded (made in bfloat16, it is checked against itself in one
     process, as the worker decodes in float32)."""
     one_ckpt, two_ckpt = checkpoint("quant", 1), checkpoint("quant", n_shards)
     if stored:
-        from llama.convert import quantize_checkpoint
+        from llama.checkpoint.convert import quantize_checkpoint
 
         quantize_checkpoint(one_ckpt, tmp_path / "quantized", scheme, model_parallel_size=n_shards)
         one_ckpt = two_ckpt = tmp_path / "quantized"
@@ -297,7 +296,7 @@ def test_quantized_two_processes_match_one_process(scheme, n_shards, stored, che
 
 
 def test_hugging_face_folder_is_sliced_per_rank(checkpoint, reference, tokenizer_path, tmp_path):
-    from llama.convert import meta_to_hf
+    from llama.checkpoint.convert import meta_to_hf
 
     meta_to_hf(checkpoint("gqa", 1), tmp_path / "hf")
     run = launch(single_node(2), tmp_path / "hf", tokenizer_path, tmp_path / "out")

@@ -12,9 +12,8 @@ from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallel
 from helpers import GQA_PARAMS
 
 from llama import Llama
-from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
-from llama.convert import meta_to_hf, quantize_checkpoint
-from llama.demo import random_weights
+from llama.checkpoint import load_model, model_args_from, open_checkpoint, random_weights, write_meta_checkpoint
+from llama.checkpoint.convert import meta_to_hf, quantize_checkpoint
 from llama.model import Transformer
 from llama.quantize import (
     Int4Linear,

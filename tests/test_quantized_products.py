@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear
 from helpers import GQA_PARAMS
 
-from llama.checkpoint import load_model, model_args_from, open_checkpoint, write_meta_checkpoint
-from llama.demo import random_weights
+from llama.checkpoint import load_model, model_args_from, open_checkpoint, random_weights, write_meta_checkpoint
 from llama.quantize import (
     Int4Linear,
     Int8Linear,

@@ -1,7 +1,8 @@
 """Checkpoint I/O, one concern a module: `params` (params.json and config.json as read), `shards` (how model
 parallelism splits the tensors, each rank's share), `meta` and `hf` (the two folder formats, read through one
 `CheckpointReader`), `quantized` (the quantized checkpoint format), `load` (the load sequence of `Llama.build`),
-`report` (what a load tells the person waiting) and `write` (Meta checkpoints written). The names below are the
+`report` (what a load tells the person waiting), `write` (Meta checkpoints written), `convert` (between the
+formats, or quantized; `llama convert`'s work) and `random_weights` (a model to try things on). The names below are the
 ones the rest of the package, the tools and the tests use.
 """
 
@@ -33,6 +34,7 @@ from llama.checkpoint.params import (
     read_json,
     saved_quantization,
 )
+from llama.checkpoint.random_weights import random_weights
 from llama.checkpoint.report import LoadReport, weights_bar
 from llama.checkpoint.shards import (
     LINEAR_LAYERS,
@@ -73,6 +75,7 @@ __all__ = [
     "open_checkpoint",
     "permute_for_interleaved",
     "permute_for_rotate_half",
+    "random_weights",
     "rank_weights",
     "read_json",
     "save_shard",

@@ -136,7 +136,7 @@ class RuntimeTransformer(nn.Module):
         `position` is start_pos as a one-element tensor, and attention runs over the whole cache with the
         positions after it masked out, so that one compiled step (torch.compile, CUDA graphs) serves them all.
         With bsz positions instead, each row is at its own (a batch whose requests started at different times,
-        `llama.engine`). The RoPE table must exist: `init_kv_caches` or a first `forward` made it. It may run
+        `llama.serve.engine`). The RoPE table must exist: `init_kv_caches` or a first `forward` made it. It may run
         compiled or as a CUDA graph, so it does not record what it writes in `cached`: its callers do.
         """
         h = self.tok_embeddings(tokens)  # (bsz, 1, dim)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from llama.command_line import rank0_stream, user_errors
+from llama.cli.common import rank0_stream, user_errors
 
 INSTALL = "pip install 'llama3[serve]' (from a checkout: pip install -e '.[serve]')"
 
@@ -86,9 +86,9 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
     import uvicorn
 
     from llama import Llama
-    from llama.engine import Engine
-    from llama.engine_plan import PlanChannel, follow_plans
-    from llama.serve_http import Service, create_app
+    from llama.serve.app import Service, create_app
+    from llama.serve.engine import Engine
+    from llama.serve.engine_plan import PlanChannel, follow_plans
 
     with user_errors(vars(args)):
         generator = Llama.build(
@@ -128,7 +128,3 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
         uvicorn.Server(config).run()  # drains on Ctrl-C or SIGTERM, then raises the signal again, as uvicorn does
     except KeyboardInterrupt:
         raise SystemExit(128 + signal.SIGINT) from None
-
-
-if __name__ == "__main__":
-    main()

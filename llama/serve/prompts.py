@@ -1,170 +1,22 @@
-"""OpenAI's request shapes for `llama.serve`: the request bodies (checked by pydantic: unknown fields are errors),
-vLLM's tokenizer bodies, errors, and the prompts, dialogs and response formats that requests turn into. No HTTP
-here; the answers' shapes are `llama.openai_answers`'.
-"""
+"""Requests turned into engine work: a completion's prompts as token IDs, a chat's messages as a llama dialog (with
+the tools it offers), vLLM's /tokenize bodies, and the grammar an answer must follow. Errors are `APIError`s (400)
+that name the field."""
 
 import json
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import List, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
-
-from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from llama.tokenizer import ROLES as LLAMA_ROLES
+from llama.serve.protocol import (
+    APIError,
+    ChatRequest,
+    NamedToolChoice,
+    Sampling,
+    TokenizeChat,
+    TokenizePrompt,
+    ToolCallSpec,
+    ToolSpec,
+)
 from llama.tokenizer import ChatFormat, Message, Tokenizer
 from llama.tools import tool_messages
-
-MAX_STOP_CHARS = 256  # the text held back while it could begin a stop string is shorter than this
-MAX_N = 8  # samples of one prompt in a request
-# OpenAI's message roles: Llama 3.1's, with a tool's output named "tool" only, plus "developer", OpenAI's newer
-# name for a system message.
-ROLES = (*(role for role in LLAMA_ROLES["3.1"] if role != "ipython"), "developer")
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-}
-
-
-class APIError(Exception):
-    """An error answered as OpenAI answers it: HTTP `status` and {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = ERROR_TYPES.get(status, "server_error")
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
-
-
-class ErrorBody(BaseModel):
-    """Every error's body, as OpenAI's API gives it (`APIError.body`)."""
-
-    error: ErrorDetail
-
-
-class FunctionCall(Strict):
-    name: str
-    arguments: str  # JSON text, as OpenAI writes it
-
-
-class ToolCallSpec(Strict):
-    id: Optional[str] = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class TextPart(Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(Strict):
-    role: Literal[ROLES]  # type: ignore[valid-type]
-    content: Union[str, List[TextPart], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[List[ToolCallSpec]] = None
-    tool_call_id: Optional[str] = None
-
-
-class FunctionSpec(Strict):
-    name: str
-    description: str = ""
-    parameters: Dict[str, Any] = Field(default_factory=dict)  # a JSON schema of type "object"
-    strict: Optional[bool] = None
-
-
-class ToolSpec(Strict):
-    type: Literal["function"]
-    function: FunctionSpec
-
-
-class StreamOptions(Strict):
-    include_usage: bool = False
-
-
-class JsonSchemaSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = "response"
-    description: Optional[str] = None
-    schema_: Dict[str, Any] = Field(default_factory=dict, alias="schema")  # the JSON schema the answer must follow
-    strict: Optional[bool] = None
-
-
-class ResponseFormat(Strict):
-    """OpenAI's `response_format`: plain text, any JSON object, or JSON that `json_schema.schema` validates."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JsonSchemaSpec] = None
-
-    def as_dict(self) -> dict:
-        return self.model_dump(by_alias=True, exclude_none=True)
-
-
-class NamedFunction(Strict):
-    name: str
-
-
-class NamedToolChoice(Strict):
-    """A `tool_choice` that names the function the answer must call."""
-
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class Sampling(Strict):
-    """The fields both endpoints take."""
-
-    model: str
-    # The defaults of Llama.chat_completion and Llama.text_completion, not OpenAI's (1.0 and 1.0).
-    temperature: float = Field(DEFAULT_TEMPERATURE, ge=0, allow_inf_nan=False)
-    top_p: float = Field(DEFAULT_TOP_P, gt=0, le=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    stop: Union[str, List[str], None] = None
-    seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    response_format: Optional[ResponseFormat] = None  # decode under a grammar (llama.structured)
-    n: int = Field(1, ge=1, le=MAX_N)  # samples of each prompt; they share its prefill (seed s: s, s + 1, ...)
-    user: Optional[str] = None
-
-    def stop_strings(self) -> List[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4 or any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
-            raise APIError(400, f"stop takes at most 4 strings of 1 to {MAX_STOP_CHARS} characters", param="stop")
-        return stops
-
-
-class ChatRequest(Sampling):
-    messages: List[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[List[ToolSpec]] = None
-    tool_choice: Union[Literal["auto", "none"], NamedToolChoice, None] = None
-    parallel_tool_calls: Optional[bool] = None
-
-
-class CompletionRequest(Sampling):
-    # A text, texts, token IDs or lists of token IDs: one choice (n choices) each.
-    prompt: Union[str, List[str], List[StrictInt], List[List[StrictInt]]]
-    max_tokens: Optional[int] = Field(16, ge=0)  # OpenAI's default for completions; 0 with echo scores the prompt
-    logprobs: Optional[int] = Field(None, ge=0, le=5)
-    echo: bool = False
 
 
 def completion_prompts(prompt, tokenizer: Tokenizer, vocab_size: int) -> List[List[int]]:
@@ -195,35 +47,6 @@ def check_in_vocabulary(tokens: List[int], vocab_size: int, where: str) -> None:
     if bad is not None:
         message = f"{where}[{bad}] is token ID {tokens[bad]}, outside the vocabulary (0 to {vocab_size - 1})"
         raise APIError(400, message, where)
-
-
-class TokenizePrompt(Strict):
-    """vLLM's /tokenize body for a text, encoded as a completion's prompt (`add_special_tokens`: <|begin_of_text|>
-    first)."""
-
-    model: Optional[str] = None
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-
-class TokenizeChat(Strict):
-    """vLLM's /tokenize body for chat messages, written as a chat completion writes them: the assistant's header
-    after them when `add_generation_prompt`, the last message left open when `continue_final_message`. The chat
-    format has its own <|begin_of_text|>; `add_special_tokens` adds nothing more."""
-
-    model: Optional[str] = None
-    messages: List[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    return_token_strs: bool = False
-    tools: Optional[List[ToolSpec]] = None
-
-
-class DetokenizeRequest(Strict):
-    model: Optional[str] = None
-    tokens: List[StrictInt]
 
 
 def tokenize(request: Union[TokenizePrompt, TokenizeChat], formatter: ChatFormat) -> List[int]:

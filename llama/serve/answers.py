@@ -1,6 +1,6 @@
 """The answers of `llama.serve`'s two endpoints, built from the engine's outputs: whole (one JSON body) or streamed
 (server-sent events), with one choice per prompt and sample (`n`), in OpenAI's shapes. No routes here
-(`llama.serve_http` has them).
+(`llama.serve.app` has them).
 
 A `Choice` follows one request of the engine: its text cut at stop strings, the tokens it sampled, what its prompt
 reused and, when it scores its prompt (completions' `echo` with `logprobs`), the prompt tokens' logprobs. An
@@ -12,9 +12,13 @@ import secrets
 import time
 from typing import AsyncIterator, List, Optional, Tuple
 
-from llama.engine import Output
-from llama.openai_answers import (
+from llama.serve.engine import Output
+from llama.serve.protocol import (
     AnswerText,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Sampling,
     chat_logprobs,
     completion_logprobs,
     echoed_text,
@@ -22,7 +26,6 @@ from llama.openai_answers import (
     prompt_logprobs,
     tool_calls_out,
 )
-from llama.openai_api import APIError, ChatRequest, CompletionRequest, Sampling
 from llama.tokenizer import STOP_TOKEN_REASONS, ChatFormat, Tokenizer
 
 # A piece of an answer: (new text, the outputs it came from, finish_reason or None).

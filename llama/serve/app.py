@@ -17,9 +17,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from llama import engine as batching
-from llama.engine import Engine, Output, QueueFull
-from llama.openai_api import (
+from llama.serve import engine as batching
+from llama.serve.answers import Answer, ChatAnswer, CompletionAnswer
+from llama.serve.engine import Engine, Output, QueueFull
+from llama.serve.prompts import answer_format, check_in_vocabulary, completion_prompts, dialog_of, tokenize
+from llama.serve.protocol import (
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -28,13 +30,7 @@ from llama.openai_api import (
     Sampling,
     TokenizeChat,
     TokenizePrompt,
-    answer_format,
-    check_in_vocabulary,
-    completion_prompts,
-    dialog_of,
-    tokenize,
 )
-from llama.serve_answers import Answer, ChatAnswer, CompletionAnswer
 from llama.structured import Grammar, GrammarError
 from llama.tokenizer import ChatFormat, Tokenizer
 

@@ -3,8 +3,8 @@
     llama chat CKPT_DIR                 chat in the terminal (docs/chat.md)
     llama complete CKPT_DIR [PROMPT]    continue PROMPT (or stdin) and stream the text to stdout
     llama serve ...                     the HTTP server (`llama.serve`)
-    llama convert ...                   convert or quantize a checkpoint (`llama.convert`)
-    llama demo DIR                      write a small random-weight checkpoint to try things on (`llama.demo`)
+    llama convert ...                   convert or quantize a checkpoint (`llama.cli.convert`)
+    llama demo DIR                      write a small random-weight checkpoint to try things on (`llama.cli.demo`)
     llama --version
 
 `chat` and `complete` take the example scripts' flags by the same names (`--max_seq_len`, `--temperature`, ...).
@@ -21,7 +21,7 @@ from typing import List, Optional
 
 from llama import __version__
 from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from llama.command_line import check_prompts_fit, ends_on_ctrl_c, fail, rank0_stream, user_errors
+from llama.cli.common import check_prompts_fit, ends_on_ctrl_c, fail, rank0_stream, user_errors
 from llama.logs import show_logs
 
 PROG = "llama"
@@ -29,8 +29,8 @@ PROG = "llama"
 # Commands that are another module's own command line, handed the rest of the arguments as they are.
 DELEGATED = {
     "serve": ("llama.serve", "run the HTTP server (llama serve -h for its flags)"),
-    "convert": ("llama.convert", "convert a checkpoint between Meta's and Hugging Face's layouts, or quantize it"),
-    "demo": ("llama.demo", "write a small random-weight checkpoint with the real tokenizer, to try things on"),
+    "convert": ("llama.cli.convert", "convert a checkpoint between Meta's and Hugging Face's layouts, or quantize it"),
+    "demo": ("llama.cli.demo", "write a small random-weight checkpoint with the real tokenizer, to try things on"),
 }
 
 
@@ -193,7 +193,7 @@ def load(args: argparse.Namespace, prompts: Optional[List[str]] = None):
 
 
 def chat(args: argparse.Namespace) -> None:
-    from llama.chat import run_chat
+    from llama.cli.chat import run_chat
 
     generator = load(args)
     out = rank0_stream(sys.stdout)  # every process computes the same answers; the first one shows them

@@ -1,4 +1,4 @@
-"""One step of the engine (`llama.engine`) as every process runs it: the `Plan` that rank 0 makes, its broadcast to
+"""One step of the engine (`engine`) as every process runs it: the `Plan` that rank 0 makes, its broadcast to
 the other processes of a torchrun job (`PlanChannel`, `follow_plans`), and `run_plan`, which runs it on the model:
 copies between cache rows, one decode step over the rows, then prompt chunks, each in its own row. It records what
 the decode step writes in the cache (`RuntimeTransformer.cached`; `forward` and `copy_cached` record their own).

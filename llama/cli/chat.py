@@ -1,7 +1,7 @@
 """An interactive terminal chat with streamed answers, on top of `Llama.chat_completion_stream`.
 
 Commands (`COMMANDS`; /help lists them) start with `/`; an unknown one is answered with the list, never sent to the
-model. Input is read by `llama.chat_input`: line editing and history, messages of several lines, saved dialogs.
+model. Input is read by `llama.cli.chat_input`: line editing and history, messages of several lines, saved dialogs.
 Ctrl-C stops the current answer and keeps the session; at the prompt it ends the chat. Under torchrun, rank 0
 reads the input and broadcasts it, and every rank generates in step; there Ctrl-C reaches every process (and
 torchrun, which then stops them all), so it ends the chat at once.
@@ -16,8 +16,8 @@ from typing import Callable, Iterator, List, Optional, TextIO, TypeVar
 
 import torch.distributed as dist
 
-from llama.chat_input import BLOCK, CONTINUED, LineEditor, closest_command, load_dialog, read_message, save_dialog
 from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.cli.chat_input import BLOCK, CONTINUED, LineEditor, closest_command, load_dialog, read_message, save_dialog
 from llama.generation import Llama
 from llama.progress import Stopwatch
 from llama.tokenizer import Message
@@ -87,7 +87,7 @@ class ChatSession:
         self.history += rest
 
     def load(self, dialog: List[Message]) -> None:
-        """Go on from `dialog` (checked by `llama.chat_input.load_dialog`); its system message, if any, becomes the
+        """Go on from `dialog` (checked by `llama.cli.chat_input.load_dialog`); its system message, if any, becomes the
         system prompt."""
         self.system_prompt = dialog[0]["content"] if dialog and dialog[0]["role"] == "system" else None
         self.history = list(dialog)
@@ -178,9 +178,9 @@ def run_chat(
     out: Optional[TextIO] = None,
 ) -> None:
     """Run the interactive chat until /exit or end of input. Lines are read with `input_fn`, by default `input` with
-    line editing and history where the terminal allows (`llama.chat_input.LineEditor`). The chat is written to `out`
+    line editing and history where the terminal allows (`llama.cli.chat_input.LineEditor`). The chat is written to `out`
     (default: stdout); under torchrun, where every rank computes the same answers, pass
-    `llama.command_line.rank0_stream(sys.stdout)` so that they are shown once."""
+    `llama.cli.common.rank0_stream(sys.stdout)` so that they are shown once."""
     out = out or sys.stdout
     group = dist.new_group(backend="gloo", timeout=INPUT_TIMEOUT) if dist.get_world_size() > 1 else None
     if input_fn is None:

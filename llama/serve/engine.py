@@ -19,7 +19,7 @@ request its own draws whatever else runs beside it.
 
 Under torchrun every process holds a share of the model and must run each step with the others: the process of
 rank 0 plans the step, sends the `Plan` to the others (`PlanChannel`), and all of them run it (`run_plan`); only
-rank 0 samples. The others loop in `follow_plans`. Those three live in `llama.engine_plan`.
+rank 0 samples. The others loop in `follow_plans`. Those three live in `llama.serve.engine_plan`.
 """
 
 import collections
@@ -31,10 +31,10 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from llama.engine_plan import Plan, PlanChannel, run_plan
 from llama.runtime import DecodeStep, RuntimeTransformer
 from llama.runtime.cached_tokens import common_prefix_length
 from llama.sampling import sample_next
+from llama.serve.engine_plan import Plan, PlanChannel, run_plan
 from llama.structured import Constraint
 from llama.tokenizer import Tokenizer, stop_reason
 
