@@ -182,9 +182,9 @@ def peak_memory_mb(device: str) -> float:
 
 def decode_step_bytes(model) -> int:
     """Bytes one batch-1 decode step reads: every weight once, except the embedding table (one row is read),
-    unless it doubles as the output head; a weight that runs on a float16 copy (`llama.cpu.CPULinear`), 2 bytes
+    unless it doubles as the output head; a weight that runs on a float16 copy (`llama.runtime.cpu.CPULinear`), 2 bytes
     each."""
-    from llama.cpu import layers_of, product_owners
+    from llama.runtime.cpu import layers_of, product_owners
 
     on_copies = set()
     for owner in product_owners(model):  # `packed` maps a kernel to (versions, copy), None where fp16 cannot hold it
@@ -200,8 +200,9 @@ def decode_step_bytes(model) -> int:
 
 
 def kernel_counts(model) -> dict:
-    """How many products run on each kernel, per row count the kernels were chosen for (`llama.cpu.choose_kernels`)."""
-    from llama.cpu import CPULinear
+    """How many products run on each kernel, per row count the kernels were chosen for
+    (`llama.runtime.cpu.choose_kernels`)."""
+    from llama.runtime.cpu import CPULinear
 
     counts = {}
     for layer in model.modules():
@@ -288,7 +289,7 @@ def worker_llama(args) -> dict:
         return result
     # The reference algorithm: logits for every prompt position, and the reference's kernels and attention.
     from llama.model import FeedForward
-    from llama.runtime import unpack_layers
+    from llama.runtime.steps import unpack_layers
 
     unpack_layers(model)
     for layer in model.layers:  # Meta's attention, and w1 and w3 as two products
@@ -520,7 +521,7 @@ def main() -> None:
         return
 
     shapes = opts.shapes or (QUICK if opts.quick else GRID)
-    from llama.cpu import cpu_flags, cpu_name, instruction_caps
+    from llama.runtime.cpu import cpu_flags, cpu_name, instruction_caps
 
     machine = f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags())}; {opts.threads} threads"
     if instruction_caps():

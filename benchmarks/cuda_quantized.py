@@ -28,8 +28,8 @@ from llama.checkpoint.load import AllocateOnMeta  # noqa: E402
 from llama.checkpoint.shards import full_shapes  # noqa: E402
 from llama.distributed import init_model_parallel  # noqa: E402
 from llama.model import ModelArgs, Transformer  # noqa: E402
-from llama.quantize import QuantizedLinear  # noqa: E402
 from llama.runtime import for_runtime, quantize_model  # noqa: E402
+from llama.runtime.quantized import QuantizedLinear  # noqa: E402
 
 
 def random_model(params: dict, max_seq_len: int, device: torch.device) -> Transformer:
@@ -112,7 +112,7 @@ def main() -> None:
         sync(device.type)
         load = time.perf_counter() - start
         step = step or model.decode_step
-        kernels = sorted({m.kernels for m in model.modules() if isinstance(m, QuantizedLinear)})
+        kernels = sorted({tuple(m.kernels.items()) for m in model.modules() if isinstance(m, QuantizedLinear)})
         decode = []
         for _ in range(3):
             decode.append(decode_rate(model, step, opts.steps, device))

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quant_accuracy  # noqa: E402
 
-from llama.quantize import Int8Linear, quantize_int4, quantize_int8, unpack_nibbles  # noqa: E402
-from llama.timing import median_seconds  # noqa: E402
+from llama.quantize import quantize_int4, quantize_int8, unpack_nibbles  # noqa: E402
+from llama.runtime.quantized import Int8Linear
+from llama.runtime.timing import median_seconds  # noqa: E402
 
 SHAPES = [(2048, 8192), (14336, 4096), (128256, 2048)]
 

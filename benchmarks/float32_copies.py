@@ -34,7 +34,7 @@ from quant_accuracy import (  # noqa: E402
     read_gguf,
 )
 
-import llama.cpu  # noqa: E402
+import llama.runtime.cpu  # noqa: E402
 from llama.runtime import for_runtime  # noqa: E402
 
 WINDOW = 64
@@ -72,7 +72,7 @@ def main() -> None:
     kernels = for_runtime(copy.deepcopy(reference))[0]
     os.environ["LLAMA_CPU_KERNEL"] = "fp16"
     copies = for_runtime(copy.deepcopy(reference))[0]
-    if not any("fp16" in m.kernels.values() for m in copies.modules() if isinstance(m, llama.cpu.CPULinear)):
+    if not any("fp16" in m.kernels.values() for m in copies.modules() if isinstance(m, llama.runtime.cpu.CPULinear)):
         raise SystemExit("No float16 copies here: they need fbgemm (x86) and memory for them")
 
     base = answers(reference, tokenizer)

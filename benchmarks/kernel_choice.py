@@ -5,7 +5,8 @@
 
 For each shape and dtype, in fresh processes on the same checkpoint (bench.py's random weights): `Llama.build`
 with an empty kernel cache (the kernels are measured), then with the cache that load wrote (they are not), `--loads`
-times each, alternating. It prints the load times, the measuring time `llama.cpu` logs, its share of the cold load,
+times each, alternating. It prints the load times, the measuring time `llama.runtime.cpu` logs, its share of the cold
+load,
 and each product's kernels. The CPU's name and flags come first: the choice is this CPU's.
 """
 
@@ -34,8 +35,8 @@ def worker(checkpoint: str, dtype: str) -> None:
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("llama.cpu").addHandler(handler)
-    logging.getLogger("llama.cpu").setLevel(logging.INFO)
+    logging.getLogger("llama.runtime.cpu").addHandler(handler)
+    logging.getLogger("llama.runtime.cpu").setLevel(logging.INFO)
     torch.set_num_threads(os.cpu_count())
     start = time.perf_counter()
     Llama.build(checkpoint, max_seq_len=1024, max_batch_size=8, device="cpu", dtype=dtype)
@@ -55,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(*args.worker)
-    from llama.cpu import cpu_flags, cpu_name, instruction_caps
+    from llama.runtime.cpu import cpu_flags, cpu_name, instruction_caps
 
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags() + instruction_caps())}")
     for shape in args.shapes:

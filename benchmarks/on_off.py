@@ -9,17 +9,19 @@ run.
     python benchmarks/on_off.py fp16-call --shapes d256 d512 d1024 --pairs 4
 
 The speed-ups:
-- fused: `llama.cpu.FusedProduct`, wq, wk, wv and w1, w3 each run as one product on one shared copy (only where
+- fused: `llama.runtime.cpu.FusedProduct`, wq, wk, wv and w1, w3 each run as one product on one shared copy (only where
   products run on copies: float16 ones, or oneDNN's in bfloat16; where that kernel measured fastest, or
   LLAMA_CPU_KERNEL=fp16 / onednn pins it). Switched off, each layer makes its own copy at its first use.
-- measured-kernels: each product on the kernels measured at load (`llama.cpu.choose_kernels`) rather than all
+- measured-kernels: each product on the kernels measured at load (`llama.runtime.cpu.choose_kernels`) rather than all
   on the `--against` kernel (default `F.linear`, what transformers runs; where that kernel cannot run a product,
   `F.linear`).
-- matmul-attention: bfloat16 attention of one new position on float32 matmuls (`llama.cpu.one_position_attention`,
+- matmul-attention: bfloat16 attention of one new position on float32 matmuls
+(`llama.runtime.cpu.one_position_attention`,
   from `MATMUL_ATTENTION_MIN_SCORES` scores on) rather than SDPA's bfloat16 kernel; only where oneDNN has no
   bfloat16 kernels (AVX2). Only the decode steps after a long prompt attend over that many positions here.
 - fp16-call: fbgemm's products called with torch functions of tensor subclasses switched off
-  (`llama.cpu.fp16_products`), which skips a failed `__torch_function__` lookup on the packed weight at each call;
+  (`llama.runtime.cpu.fp16_products`), which skips a failed `__torch_function__` lookup on the packed weight at each
+  call;
   only where weights run on float16 copies. Switched off, the op is called as it is elsewhere.
 - top-p-head: nucleus sampling ranks only the most likely tokens of each row (`llama.sampling.nucleus_head`) rather
   than sorting the whole vocabulary; only sampled decoding uses it.
@@ -46,10 +48,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import DECODE_PROMPT, default_tokenizer, meta_checkpoint, timed  # noqa: E402
 
-import llama.cpu  # noqa: E402
+import llama.runtime.cpu  # noqa: E402
 import llama.sampling  # noqa: E402
 from llama import Llama  # noqa: E402
-from llama.cpu import CPULinear  # noqa: E402
+from llama.runtime.cpu import CPULinear  # noqa: E402
 from llama.sampling import greedy_pick  # noqa: E402
 
 LONG_PROMPT = 600  # tokens before the decode steps of the last figure
@@ -84,12 +86,12 @@ def measure(generator: Llama, steps: int) -> dict:
 
 def fused_switch(generator: Llama):
     """On: `FusedQKV` and `FusedW13` run their layers as one product; off: each layer alone, on its own copy."""
-    if not any(isinstance(m, llama.cpu.FusedProduct) for m in generator.model.modules()):
+    if not any(isinstance(m, llama.runtime.cpu.FusedProduct) for m in generator.model.modules()):
         sys.exit("No fused products here: they need float16 copies (fbgemm, x86) or oneDNN bfloat16 kernels")
-    runs_on_a_copy = llama.cpu.layers.runs_on_a_copy
+    runs_on_a_copy = llama.runtime.cpu.layers.runs_on_a_copy
 
     def switch(on: bool) -> None:
-        llama.cpu.layers.runs_on_a_copy = runs_on_a_copy if on else lambda kernel, dtype: False
+        llama.runtime.cpu.layers.runs_on_a_copy = runs_on_a_copy if on else lambda kernel, dtype: False
 
     return switch
 
@@ -101,15 +103,15 @@ def require_fp16_copies(layers) -> None:
 
 
 def measured_kernels_switch(generator: Llama, against: str):
-    """On: the kernels measured at load (`llama.cpu.choose_kernels`); off: every product on `against`."""
+    """On: the kernels measured at load (`llama.runtime.cpu.choose_kernels`); off: every product on `against`."""
     layers = [m for m in generator.model.modules() if isinstance(m, CPULinear)]
     measured = {layer: layer.kernels for layer in layers}
     pinned = {}
     for layer in layers:
-        fp16_holds = llama.cpu.holds_bfloat16_values(layer.weight)
+        fp16_holds = llama.runtime.cpu.holds_bfloat16_values(layer.weight)
         pinned[layer] = {
             rows: against
-            if against in llama.cpu.candidate_kernels(layer.weight.dtype, rows, fp16_holds, True)
+            if against in llama.runtime.cpu.candidate_kernels(layer.weight.dtype, rows, fp16_holds, True)
             else "linear"
             for rows in layer.kernels
         }
@@ -125,23 +127,23 @@ def matmul_attention_switch(generator: Llama):
     if generator.model.layers[0].attention.one_position_attention is None:
         sys.exit("One position's bfloat16 attention runs on float32 matmuls only on CPUs without oneDNN's bfloat16 "
                  "kernels (AVX2)")  # fmt: skip
-    min_scores = llama.cpu.MATMUL_ATTENTION_MIN_SCORES
+    min_scores = llama.runtime.cpu.MATMUL_ATTENTION_MIN_SCORES
 
     def switch(on: bool) -> None:
-        llama.cpu.kernels.MATMUL_ATTENTION_MIN_SCORES = min_scores if on else sys.maxsize
+        llama.runtime.cpu.kernels.MATMUL_ATTENTION_MIN_SCORES = min_scores if on else sys.maxsize
 
     return switch
 
 
 def fp16_call_switch(generator: Llama):
     require_fp16_copies([m for m in generator.model.modules() if isinstance(m, CPULinear)])
-    fp16_products = llama.cpu.fp16_products
+    fp16_products = llama.runtime.cpu.fp16_products
 
     def plain_call(rows, packed):
         return [torch.ops.quantized.linear_dynamic_fp16(rows, block) for block in packed]
 
     def switch(on: bool) -> None:
-        llama.cpu.kernels.fp16_products = fp16_products if on else plain_call
+        llama.runtime.cpu.kernels.fp16_products = fp16_products if on else plain_call
 
     return switch
 
@@ -174,7 +176,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=16, help="batch-1 decode steps per run (batch 8: half)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the speed-up's own")
-    parser.add_argument("--against", choices=llama.cpu.KERNELS, default="linear", help="measured-kernels: off is this")
+    parser.add_argument(
+        "--against", choices=llama.runtime.cpu.KERNELS, default="linear", help="measured-kernels: off is this"
+    )
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "llama-bench")
     args = parser.parse_args()
     dtype, make_switch = SPEEDUPS[args.speedup]

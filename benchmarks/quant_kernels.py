@@ -5,7 +5,7 @@
 
 For each shape it makes every weight a decode step multiplies by (q, k, v, o and the three feed-forward weights of
 each layer, then the output head), random, in four forms: bfloat16 on PyTorch's matrix-vector product
-(`llama.cpu.CPULinear` on "mv"), bfloat16 on a float16 copy (`CPULinear` on "fp16", which a bfloat16 model runs
+(`llama.runtime.cpu.CPULinear` on "mv"), bfloat16 on a float16 copy (`CPULinear` on "fp16", which a bfloat16 model runs
 where it measures fastest; x86 only), and the int8 and int4 layers
 `llama.quantize` makes. It then times one bfloat16 row through all of them in a step's order, as a step reads
 them (from memory, not from cache), and the head alone. The ratio of the step times is the most a form can speed
@@ -24,11 +24,11 @@ from fairscale.nn.model_parallel.layers import ColumnParallelLinear
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import GRID, SHAPES  # noqa: E402
 
-from llama.cpu import CPULinear, fbgemm_fp16_supported  # noqa: E402
 from llama.distributed import init_model_parallel  # noqa: E402
 from llama.model import ModelArgs  # noqa: E402
-from llama.quantize import quantize_layer  # noqa: E402
-from llama.timing import median_seconds  # noqa: E402
+from llama.runtime.cpu import CPULinear, fbgemm_fp16_supported  # noqa: E402
+from llama.runtime.quantized import quantize_layer  # noqa: E402
+from llama.runtime.timing import median_seconds  # noqa: E402
 
 FORMS = ("bfloat16", "float16 copy", "int8", "int4") if fbgemm_fp16_supported() else ("bfloat16", "int8", "int4")
 

@@ -6,7 +6,7 @@ weight shapes, for prompts of 64 and 512 tokens.
 
 Per weight (out_features x in_features) and row count, the median milliseconds of:
 - bfloat16 `F.linear` on the plain weight, and on oneDNN's prepacked copy (`torch.ops.mkldnn._linear_pointwise`,
-  what `llama.cpu` makes for a bfloat16 model where it measures faster);
+  what `llama.runtime.cpu` makes for a bfloat16 model where it measures faster);
 - int8 as `llama.quantize` runs prompts today: the weight widened a block of rows at a time into one reused buffer,
   each block through `F.linear` (`widened_in_blocks`), and PyTorch's weight-only int8 kernel
   (`aten._weight_int8pack_mm`);
@@ -22,7 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from llama.quantize import chunk_rows, int8_kernel_product, quantize_int8, widened_in_blocks
+from llama.quantize import chunk_rows, quantize_int8
+from llama.runtime.quantized import int8_kernel_product, widened_in_blocks
 
 SHAPES = {"w1 or w3": (8192, 2048), "w2": (2048, 8192), "wq+wk+wv": (3072, 2048)}
 ROWS = (64, 512)
@@ -50,7 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=9)
     opts = parser.parse_args()
-    from llama.cpu import cpu_name
+    from llama.runtime.cpu import cpu_name
 
     print(f"CPU: {cpu_name()}; {torch.get_num_threads()} threads; median ms of {opts.repeats} runs")
     columns = ["bf16 plain", "bf16 prepacked", "int8 widened", "int8 kernel", "widening alone", "int8 x int8"]

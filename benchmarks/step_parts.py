@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import DECODE_PROMPT, default_tokenizer, meta_checkpoint  # noqa: E402
 
-import llama.cpu  # noqa: E402
+import llama.runtime.cpu  # noqa: E402
 from llama import Llama  # noqa: E402
 
 
@@ -49,12 +49,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "llama-bench")
     args = parser.parse_args()
-    fp16_linear = llama.cpu.fp16_linear
+    fp16_linear = llama.runtime.cpu.fp16_linear
     for shape in args.shapes:
         checkpoint = meta_checkpoint(shape, args.workdir, default_tokenizer(), "cpu")
         generator = Llama.build(str(checkpoint), max_seq_len=256, max_batch_size=1, device="cpu", dtype="bfloat16")
         model, token = generator.model, torch.tensor([DECODE_PROMPT[-1:]])
-        if not any(isinstance(m, llama.cpu.CPULinear) and m.kernel_for(1) == "fp16" for m in model.modules()):
+        if not any(isinstance(m, llama.runtime.cpu.CPULinear) and m.kernel_for(1) == "fp16" for m in model.modules()):
             sys.exit("One row runs on float16 copies only where that kernel measured fastest: LLAMA_CPU_KERNEL=fp16")
         model.forward(torch.tensor([DECODE_PROMPT]), 0)
 
@@ -83,9 +83,9 @@ def main() -> None:
         def products_alone(steps: int) -> None:
             for _ in range(steps):
                 for rows, packed in calls:
-                    llama.cpu.fp16_products(rows, packed)
+                    llama.runtime.cpu.fp16_products(rows, packed)
 
-        llama.cpu.layers.fp16_linear = llama.cpu.kernels.fp16_linear = recording
+        llama.runtime.cpu.layers.fp16_linear = llama.runtime.cpu.kernels.fp16_linear = recording
         decode(1)
         for _, packed in calls:
             unpacked = (torch.ops.quantized.linear_unpack_fp16(block)[0] for block in packed)
@@ -94,10 +94,10 @@ def main() -> None:
         timings = {}
         for name, product in (("whole step", fp16_linear), ("all but the products", replaying),
                               ("all but the products, with reads", streaming)):  # fmt: skip
-            llama.cpu.layers.fp16_linear = llama.cpu.kernels.fp16_linear = product
+            llama.runtime.cpu.layers.fp16_linear = llama.runtime.cpu.kernels.fp16_linear = product
             decode(2)
             timings[name] = median_ms(decode, args.steps, args.repeats)
-        llama.cpu.layers.fp16_linear = llama.cpu.kernels.fp16_linear = fp16_linear
+        llama.runtime.cpu.layers.fp16_linear = llama.runtime.cpu.kernels.fp16_linear = fp16_linear
         timings["products alone"] = median_ms(products_alone, args.steps, args.repeats)
         reads = median_ms(
             lambda steps: [read_as_many_bytes(packed) for _ in range(steps) for _, packed in calls],
@@ -118,7 +118,9 @@ def main() -> None:
         for n_threads in (threads, 1):
             torch.set_num_threads(n_threads)
             times = [
-                median_ms(lambda steps: [llama.cpu.fp16_products(rows, head) for _ in range(steps)], 8, args.repeats)
+                median_ms(
+                    lambda steps: [llama.runtime.cpu.fp16_products(rows, head) for _ in range(steps)], 8, args.repeats
+                )
                 for rows in (head_row.expand(n, -1).contiguous() for n in (1, 2, 4))
             ]
             read = median_ms(lambda steps: [read_as_many_bytes(head) for _ in range(steps)], 8, args.repeats)

@@ -15,8 +15,8 @@ from llama.checkpoint import LoadReport, load_checkpoint
 from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.completions import chat_prediction, completion_prediction, constraints_for, encode_dialogs, encode_prompts
 from llama.decoding import BatchDecoder, StopReason
-from llama.progress import AnnouncedCompiles, Speed, Stopwatch
-from llama.runtime import DecodeStep, RuntimeTransformer, compiled_decode_step, for_runtime
+from llama.progress import Speed, Stopwatch
+from llama.runtime import DecodeStep, RuntimeTransformer, compiled_step, for_runtime
 from llama.streaming import StreamingCompletions
 from llama.tokenizer import ChatFormat, Dialog, Message, Tokenizer
 
@@ -79,7 +79,8 @@ class Llama(StreamingCompletions):
             quantize: "int8" or "int4": the linear layers' weights, quantized as they load (see docs/quantize.md);
                 dtype then defaults to bfloat16 on the CPU too.
             cuda_graphs: On one CUDA GPU without `compile`, replay each batch size's decode step as a CUDA graph
-                (`llama.cuda_graphs`): the eager step's logits bit for bit, one launch instead of hundreds. False
+                (`llama.runtime.cuda_graphs`): the eager step's logits bit for bit, one launch instead of hundreds.
+                False
                 decodes eagerly, as the reference does.
             prefix_cache: False (the default) runs every prompt from position 0, as the reference does, so the same
                 seed gives the same tokens on every call. True keeps the KV cache between calls and runs only what a
@@ -135,7 +136,7 @@ class Llama(StreamingCompletions):
         first call of each batch size compiles it, and prompts still run through `Transformer.forward`. The same
         math summed in another order: float32 keeps the eager path's tokens, bfloat16 may break near ties otherwise.
         """
-        self.decoder.decode_step = AnnouncedCompiles(compiled_decode_step(self.model))
+        self.decoder.decode_step = compiled_step(self.model)
 
     @property
     def device(self) -> torch.device:

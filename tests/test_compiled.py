@@ -12,8 +12,8 @@ from torch._dynamo.utils import counters
 
 from llama.checkpoint import random_weights
 from llama.model import Transformer
-from llama.parallel_layers import ParallelLinear
-from llama.runtime import compiled_decode_step, unpack_layers
+from llama.runtime.parallel_layers import ParallelLinear
+from llama.runtime.steps import compiled_decode_step, unpack_layers
 
 
 def static_steps(step, model: Transformer, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -96,7 +96,7 @@ def test_cuda_decodes_the_tokens_of_the_cpu(tiny_checkpoint, tokenizer_path, pro
 @pytest.mark.slow
 def test_compiled_step_is_one_graph_with_fairscale_layers(process_group, tmp_path):
     """A model put back on fairscale's layers (whose all-reduce torch.compile cannot trace) still compiles to one
-    graph (one CUDA graph): compiling swaps in `llama.parallel_layers`, with the same weights and logits."""
+    graph (one CUDA graph): compiling swaps in `llama.runtime.parallel_layers`, with the same weights and logits."""
     model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=16), torch.float32)
     unpack_layers(model)  # fairscale's layers, as in Meta's code
     weights = model.state_dict()

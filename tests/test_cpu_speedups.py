@@ -1,6 +1,7 @@
-"""The CPU speed-ups keep the reference math: llama.cpu's linear layers (packed oneDNN weights, float16 copies of
+"""The CPU speed-ups keep the reference math: llama.runtime.cpu's linear layers (packed oneDNN weights, float16 copies
+of
 bfloat16 weights and of float32 ones holding bfloat16 values, matrix-vector kernels), fused attention, and
-`llama.parallel_layers` against fairscale's layers, on tiny random weights.
+`llama.runtime.parallel_layers` against fairscale's layers, on tiny random weights.
 
 The reference is the same checkpoint run as Meta's code runs it: `F.linear` and attention step by step
 (`helpers.with_reference_attention`).
@@ -25,12 +26,13 @@ from helpers import (
     with_reference_attention,
 )
 
-import llama.cpu
-import llama.cpu.choice
-import llama.cpu.kernels
-import llama.cpu.layers
+import llama.runtime.cpu
+import llama.runtime.cpu.choice
+import llama.runtime.cpu.kernels
+import llama.runtime.cpu.layers
 from llama.checkpoint import random_weights
-from llama.cpu import (
+from llama.model import Transformer
+from llama.runtime.cpu import (
     CPULinear,
     FusedProduct,
     KernelCache,
@@ -40,14 +42,13 @@ from llama.cpu import (
     onednn_bf16_supported,
     pack_as_fp16,
 )
-from llama.model import Transformer
-from llama.parallel_layers import ParallelEmbedding, ParallelLinear
-from llama.runtime import use_parallel_layers
+from llama.runtime.parallel_layers import ParallelEmbedding, ParallelLinear
+from llama.runtime.steps import use_parallel_layers
 
 
 def patch_cpu(monkeypatch, name: str, value) -> None:
-    """Set the global `name` of every module of `llama.cpu` that uses it to `value`, for the test's duration."""
-    for module in (llama.cpu.kernels, llama.cpu.layers, llama.cpu.choice):
+    """Set the global `name` of every module of `llama.runtime.cpu` that uses it to `value`, for the test's duration."""
+    for module in (llama.runtime.cpu.kernels, llama.runtime.cpu.layers, llama.runtime.cpu.choice):
         if hasattr(module, name):
             monkeypatch.setattr(module, name, value)
 
@@ -152,7 +153,7 @@ def kernel_layer(dtype: torch.dtype, kernels: dict) -> CPULinear:
 
 def kernels_here(dtype: torch.dtype) -> list:
     """The kernels this CPU and torch build can run for `dtype` (every candidate of one row, with copies)."""
-    return llama.cpu.candidate_kernels(dtype, 1, fp16_holds=True, copies=True)
+    return llama.runtime.cpu.candidate_kernels(dtype, 1, fp16_holds=True, copies=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -185,7 +186,7 @@ def test_each_kernel_gives_its_own_product_for_any_number_of_rows(process_group,
 def test_inputs_run_on_the_kernel_chosen_for_their_row_count(process_group, monkeypatch):
     """One row runs on the kernel chosen for one row, up to the batch's rows on the batch's, more on the prompt's."""
     calls = []
-    run_kernel = llama.cpu.run_kernel
+    run_kernel = llama.runtime.cpu.run_kernel
     patch_cpu(monkeypatch, "run_kernel", lambda kernel, *args: calls.append(kernel) or run_kernel(kernel, *args))
     layer = kernel_layer(torch.float32, {1: "mv", 8: "onednn", 256: "linear"})
     expected = {1: "mv", 2: "onednn", 8: "onednn", 9: "linear", 256: "linear", 1000: "linear"}
@@ -232,7 +233,8 @@ def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_gr
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_parallel_layers_compute_what_fairscale_layers_do(process_group, tmp_path, dtype):
-    """The layers a loaded model runs on (`llama.parallel_layers`, as on a GPU) give fairscale's logits bit for bit,
+    """The layers a loaded model runs on (`llama.runtime.parallel_layers`, as on a GPU) give fairscale's logits bit for
+    bit,
     under the same state-dict keys."""
     weights = random_weights(GQA_PARAMS, seed=17)
     model = load_reference(tmp_path / "ckpt", weights, dtype)
@@ -344,7 +346,7 @@ def test_bfloat16_on_float16_copies_keeps_the_reference_results(process_group, t
 def test_the_onednn_copies_are_made_at_load_not_by_the_first_prompt(process_group, tmp_path, monkeypatch):
     """In bfloat16 oneDNN runs on a copy of the weights in its blocked layout; made at load, the first prompt does
     not wait for it (half of a 3 s first prompt at 1B's shape, before)."""
-    if not llama.cpu.onednn_bf16_supported():
+    if not llama.runtime.cpu.onednn_bf16_supported():
         pytest.skip("this CPU has no oneDNN bfloat16 kernels: its bfloat16 runs on no oneDNN copy")
     monkeypatch.setenv("LLAMA_CPU_KERNEL", "onednn")
     model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=25), torch.bfloat16)
@@ -359,7 +361,7 @@ def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tm
     float32 checkpoint whose weights are not bfloat16 values gets no copies (and no line saying it made them): it
     runs on `F.linear`, float16 copies being the pinned kernel."""
     monkeypatch.setenv("LLAMA_CPU_KERNEL", "fp16")
-    caplog.set_level(logging.INFO, logger="llama.cpu")
+    caplog.set_level(logging.INFO, logger="llama.runtime.cpu")
     weights = random_weights(GQA_PARAMS, seed=23)  # bfloat16, as Meta ships checkpoints
     fast = load_tiny(tmp_path / "fast", weights, torch.float32)
     layers = [m for m in fast.modules() if isinstance(m, CPULinear)]
@@ -373,7 +375,7 @@ def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tm
     with torch.no_grad():
         wo.weight[0, 0] = tiny
     with torch.inference_mode():
-        for rows in (3, llama.cpu.PROMPT_ROWS):  # a decode step's few rows, and a long prompt's
+        for rows in (3, llama.runtime.cpu.PROMPT_ROWS):  # a decode step's few rows, and a long prompt's
             x = torch.eye(GQA_PARAMS["dim"]).repeat(rows // GQA_PARAMS["dim"] + 1, 1)[:rows]
             assert wo(x)[0, 0] == tiny.half().float() != tiny
     reference = reference_model(tmp_path / "reference", weights, torch.float32)
@@ -469,7 +471,7 @@ def test_layers_sharing_a_copy_each_give_their_own_product(process_group, tmp_pa
     def alone(layer, x):
         if kernel == "fp16":
             return fp16_linear(x, pack_as_fp16(layer.weight))
-        return llama.cpu.run_kernel("onednn", x, None, torch.ops.mkldnn._reorder_linear_weight(layer.weight))
+        return llama.runtime.cpu.run_kernel("onednn", x, None, torch.ops.mkldnn._reorder_linear_weight(layer.weight))
 
     generator = torch.Generator().manual_seed(9)
     x, y = (torch.randn(2, 5, GQA_PARAMS["dim"], generator=generator).bfloat16() for _ in range(2))
@@ -491,7 +493,7 @@ def test_one_position_attention_rounds_as_meta_bfloat16_attention(process_group,
         keys, values = (torch.randn(bsz, positions, n_kv_heads, 64, generator=generator).bfloat16() for _ in "kv")
         expected = reference_attention(xq, keys, values, None, n_heads // n_kv_heads)
         layout = [t.transpose(1, 2) for t in (xq, keys, values)]  # as Attention.forward passes them
-        output = llama.cpu.one_position_attention(*layout).transpose(1, 2).reshape(bsz, 1, -1)
+        output = llama.runtime.cpu.one_position_attention(*layout).transpose(1, 2).reshape(bsz, 1, -1)
         assert torch.equal(output, expected)
         sdpa = F.scaled_dot_product_attention(*layout, enable_gqa=n_heads > n_kv_heads).transpose(1, 2)
         assert not torch.equal(sdpa.reshape(bsz, 1, -1), expected)
@@ -505,7 +507,9 @@ def test_bfloat16_decoding_with_one_position_attention_gives_meta_logits(process
     weights = random_weights(GQA_PARAMS, seed=12)
     monkeypatch.setenv("LLAMA_CPU_KERNEL", "linear")  # F.linear on both sides: only the attention differs
     fast = load_tiny(tmp_path / "fast", weights, torch.bfloat16)
-    assert all(block.attention.one_position_attention is llama.cpu.one_position_attention for block in fast.layers)
+    assert all(
+        block.attention.one_position_attention is llama.runtime.cpu.one_position_attention for block in fast.layers
+    )
     reference = reference_model(tmp_path / "reference", weights, torch.bfloat16)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 14), generator=torch.Generator().manual_seed(2))
     one_at_a_time = [1] * tokens.shape[1]
@@ -549,9 +553,9 @@ def test_each_pinned_kernel_keeps_the_reference_results(process_group, tmp_path,
 
 
 def measured_products(monkeypatch) -> list:
-    """A list that gets each (product, rows) that `llama.cpu` measures from now on."""
+    """A list that gets each (product, rows) that `llama.runtime.cpu` measures from now on."""
     measured = []
-    measure = llama.cpu.measure
+    measure = llama.runtime.cpu.measure
 
     def counting(jobs, flush, *rounds):
         measured.extend((job.name, job.rows) for job in jobs)
@@ -584,7 +588,7 @@ def test_kernels_are_measured_once_then_taken_from_the_cache(process_group, tmp_
     measured = measured_products(monkeypatch)
     steady_timings(monkeypatch)
     weights = random_weights(GQA_PARAMS, seed=12)
-    with caplog.at_level(logging.INFO, logger="llama.cpu"):
+    with caplog.at_level(logging.INFO, logger="llama.runtime.cpu"):
         first = load_tiny(tmp_path / "first", weights, torch.bfloat16)
     # embedding-sized head, wq+wk+wv, wo, w1+w3, w2: one row, the batch of 2 and a prompt each
     assert len(measured) == 5 * 3 and len(set(measured)) == len(measured)
@@ -593,7 +597,7 @@ def test_kernels_are_measured_once_then_taken_from_the_cache(process_group, tmp_
 
     measured.clear()
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="llama.cpu"):
+    with caplog.at_level(logging.INFO, logger="llama.runtime.cpu"):
         second = load_tiny(tmp_path / "second", weights, torch.bfloat16)
     # only the re-check of the cache: the largest product (the head), one row; it held, so the next load re-checks
     # no more
@@ -682,7 +686,7 @@ def test_a_measurement_on_a_busy_machine_is_cached_and_kept(process_group, tmp_p
     quiet = {**busy, "onednn": 1e-9}
     patch_cpu(monkeypatch, "time_kernels", timings_of(busy))
     weights = random_weights(GQA_PARAMS, seed=12)
-    with caplog.at_level(logging.WARNING, logger="llama.cpu"):
+    with caplog.at_level(logging.WARNING, logger="llama.runtime.cpu"):
         first = load_tiny(tmp_path / "busy", weights, torch.float32)
     path = tmp_path / "cache" / "llama3" / "kernels.json"
     assert "The CPU was busy while its kernels were measured" in caplog.text and f"delete {path}" in caplog.text
@@ -692,7 +696,7 @@ def test_a_measurement_on_a_busy_machine_is_cached_and_kept(process_group, tmp_p
     measured.clear()
     caplog.clear()
     patch_cpu(monkeypatch, "time_kernels", timings_of(quiet))
-    with caplog.at_level(logging.WARNING, logger="llama.cpu"):
+    with caplog.at_level(logging.WARNING, logger="llama.runtime.cpu"):
         second = load_tiny(tmp_path / "quiet", weights, torch.float32)
     assert measured == [("float32 512x64", 1)]  # only the re-check
     assert chosen_kernels(second) == chosen_kernels(first)
@@ -714,7 +718,7 @@ def test_every_load_in_a_process_chooses_alike_where_the_cache_cannot_be_written
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
     weights = random_weights(GQA_PARAMS, seed=12)
     patch_cpu(monkeypatch, "time_kernels", timings_of({"onednn": 9e-9, "fp16": 3e-9, "mv": 2.5e-9, "linear": 4e-9}))
-    with caplog.at_level(logging.WARNING, logger="llama.cpu"):
+    with caplog.at_level(logging.WARNING, logger="llama.runtime.cpu"):
         first = load_tiny(tmp_path / "first", weights, torch.float32)
     assert "Could not write the CPU kernel cache" in caplog.text
     patch_cpu(monkeypatch, "time_kernels", timings_of({"onednn": 1e-9, "fp16": 3e-9, "mv": 2.5e-9, "linear": 4e-9}))
@@ -739,14 +743,14 @@ def test_a_float16_copy_is_made_only_where_it_repays_its_making_within_a_full_co
         for job in jobs:
             others = [k for k in job.candidates if k != "fp16"]  # the first of them the fastest
             seconds = {k: (3 + i) * 1e-9 for i, k in enumerate(others)}
-            seconds["fp16"] = 2e-9 if job.rows == llama.cpu.PROMPT_ROWS else 4e-9
-            found[job.key] = llama.cpu.Measured(seconds, median=seconds, fp16_copy=1e-8)
+            seconds["fp16"] = 2e-9 if job.rows == llama.runtime.cpu.PROMPT_ROWS else 4e-9
+            found[job.key] = llama.runtime.cpu.Measured(seconds, median=seconds, fp16_copy=1e-8)
         return found
 
     measured = []
     patch_cpu(monkeypatch, "measure", lambda jobs, flush, *_: measured.extend(jobs) or fake_measure(jobs, flush))
     weights = random_weights(GQA_PARAMS, seed=12)
-    with caplog.at_level(logging.INFO, logger="llama.cpu"):
+    with caplog.at_level(logging.INFO, logger="llama.runtime.cpu"):
         short = load_tiny(tmp_path / "short", weights, torch.bfloat16, max_seq_len=32)
     assert len(measured) == 5 * 3 and "No float16 copy for bfloat16 512x64: fastest for 256 rows" in caplog.text
     prompt = torch.randint(0, GQA_PARAMS["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(3))
@@ -755,7 +759,7 @@ def test_a_float16_copy_is_made_only_where_it_repays_its_making_within_a_full_co
         assert layer.kernels == fastest_but_fp16(layer) and "fp16" not in copy_holder(short, layer).packed
 
     measured.clear()
-    long = load_tiny(tmp_path / "long", weights, torch.bfloat16, max_seq_len=20 * llama.cpu.PROMPT_ROWS)
+    long = load_tiny(tmp_path / "long", weights, torch.bfloat16, max_seq_len=20 * llama.runtime.cpu.PROMPT_ROWS)
     assert [job.rows for job in measured] == [1]  # the cache's re-check only
     for layer in (m for m in long.modules() if isinstance(m, CPULinear)):
         assert layer.kernels == {**fastest_but_fp16(layer), 256: "fp16"}
@@ -764,7 +768,9 @@ def test_a_float16_copy_is_made_only_where_it_repays_its_making_within_a_full_co
 
 def fastest_but_fp16(layer: CPULinear) -> dict:
     """The first candidate other than "fp16" for each row count (1, the batch of 2, a prompt)."""
-    candidates = {rows: llama.cpu.candidate_kernels(layer.weight.dtype, rows, True, True) for rows in (1, 2, 256)}
+    candidates = {
+        rows: llama.runtime.cpu.candidate_kernels(layer.weight.dtype, rows, True, True) for rows in (1, 2, 256)
+    }
     return {rows: next(k for k in kernels if k != "fp16") for rows, kernels in candidates.items()}
 
 
@@ -773,7 +779,7 @@ def test_a_float16_lead_within_the_spread_of_its_own_timings_makes_no_copy():
     1024 steps (20 ns); but where float16's median round was itself 0.15 ns behind its best, only 0.05 ns of the
     lead is sure (5 ns over the context): no copy, and one row runs on oneDNN."""
     seconds = {"fp16": 1.0e-10, "onednn": 1.2e-10, "linear": 2e-10}
-    steady = llama.cpu.Measured(seconds, median=seconds, fp16_copy=1e-8)
-    unsteady = llama.cpu.Measured(seconds, median={**seconds, "fp16": 1.15e-10}, fp16_copy=1e-8)
-    assert llama.cpu.kernels_for({1: steady}, max_seq_len=1024) == {1: "fp16"}
-    assert llama.cpu.kernels_for({1: unsteady}, max_seq_len=1024) == {1: "onednn"}
+    steady = llama.runtime.cpu.Measured(seconds, median=seconds, fp16_copy=1e-8)
+    unsteady = llama.runtime.cpu.Measured(seconds, median={**seconds, "fp16": 1.15e-10}, fp16_copy=1e-8)
+    assert llama.runtime.cpu.kernels_for({1: steady}, max_seq_len=1024) == {1: "fp16"}
+    assert llama.runtime.cpu.kernels_for({1: unsteady}, max_seq_len=1024) == {1: "onednn"}

@@ -1,4 +1,5 @@
-"""The decode step replayed as CUDA graphs (`llama.cuda_graphs`): on any machine, its bookkeeping with the recording
+"""The decode step replayed as CUDA graphs (`llama.runtime.cuda_graphs`): on any machine, its bookkeeping with the
+recording
 stood in for by a replay that reruns the step; on a GPU, the real graphs against the eager step, bit for bit.
 """
 
@@ -6,11 +7,11 @@ import pytest
 import torch
 from helpers import ATOL, GQA_PARAMS, load_tiny
 
-import llama.cuda_graphs as cuda_graphs
+import llama.runtime.cuda_graphs as cuda_graphs
 from llama.checkpoint import check_kv_cache_fits, random_weights
-from llama.cuda_graphs import CUDAGraphDecodeStep, decode_step_bytes
 from llama.model import ModelArgs
-from llama.runtime import use_cuda_graphs
+from llama.runtime.cuda_graphs import CUDAGraphDecodeStep, decode_step_bytes
+from llama.runtime.steps import use_cuda_graphs
 
 
 class RerunGraph:
@@ -26,7 +27,7 @@ class RerunGraph:
 
 @pytest.fixture
 def rerun_recording(monkeypatch):
-    """`llama.cuda_graphs.record` replaced by `RerunGraph`s; returns the list of recordings made."""
+    """`llama.runtime.cuda_graphs.record` replaced by `RerunGraph`s; returns the list of recordings made."""
     recordings = []
 
     def record(step, pool, *inputs):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import skip_or_fail
 
-from llama.runtime import fastest
+from llama.runtime.quantized_kernels import fastest
 
 BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "faithful.py"
 

@@ -17,8 +17,9 @@ from llama.checkpoint import check_kv_cache_fits
 from llama.checkpoint.report import weights_bar
 from llama.cli import common, demo
 from llama.model import ModelArgs
-from llama.progress import AnnouncedCompiles, Stopwatch
+from llama.progress import Stopwatch
 from llama.quantize import check_scheme
+from llama.runtime.compiled import AnnouncedCompiles
 
 ROOT = Path(__file__).resolve().parents[1]
 

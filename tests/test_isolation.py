@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import llama.checkpoint.load
-import llama.cpu.layers
 import llama.distributed
+import llama.runtime.cpu.layers
 from llama import Llama
 from llama.checkpoint import AllocateOnMeta
 from llama.model import ModelArgs, Transformer
@@ -66,7 +66,7 @@ def test_no_process_prints_and_stdout_stays(tiny_checkpoint, tokenizer_path, pro
     for rank in (1, 0):  # as torchrun's global ranks; the model-parallel rank stays 0
         monkeypatch.setattr(llama.distributed, "global_rank", lambda rank=rank: rank)
         monkeypatch.setattr(llama.checkpoint.load, "global_rank", lambda rank=rank: rank)
-        monkeypatch.setattr(llama.cpu.layers, "global_rank", lambda rank=rank: rank)  # its float16 copies' line
+        monkeypatch.setattr(llama.runtime.cpu.layers, "global_rank", lambda rank=rank: rank)  # its float16 copies' line
         captured = io.StringIO()
         monkeypatch.setattr(sys, "stdout", captured)
         generator = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=16, max_batch_size=1, device="cpu")

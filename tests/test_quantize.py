@@ -15,18 +15,9 @@ from llama import Llama
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, random_weights, write_meta_checkpoint
 from llama.checkpoint.convert import meta_to_hf, quantize_checkpoint
 from llama.model import Transformer
-from llama.quantize import (
-    Int4Linear,
-    Int8Linear,
-    dequantize,
-    inner_k_tiles,
-    quantize_int4,
-    quantize_int8,
-    quantize_layer,
-    quantized_bytes,
-    unpack_nibbles,
-)
+from llama.quantize import dequantize, quantize_int4, quantize_int8, unpack_nibbles
 from llama.runtime import for_runtime, quantize_model
+from llama.runtime.quantized import Int4Linear, Int8Linear, inner_k_tiles, quantize_layer, quantized_bytes
 
 
 def random_weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:

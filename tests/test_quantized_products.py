@@ -15,17 +15,10 @@ from fairscale.nn.model_parallel.layers import ColumnParallelLinear
 from helpers import GQA_PARAMS
 
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, random_weights, write_meta_checkpoint
-from llama.quantize import (
-    Int4Linear,
-    Int8Linear,
-    QuantizedLinear,
-    dequantize,
-    dequantized_int4_weight,
-    quantize_int4,
-    quantize_layer,
-)
-from llama.runtime import fastest, for_runtime, quantize_model
-from llama.runtime.quantized_kernels import TIMED_ROWS
+from llama.quantize import dequantize, quantize_int4
+from llama.runtime import for_runtime, quantize_model
+from llama.runtime.quantized import Int4Linear, Int8Linear, QuantizedLinear, dequantized_int4_weight, quantize_layer
+from llama.runtime.quantized_kernels import TIMED_ROWS, fastest
 
 
 def int8_layer(rows: int = 96, cols: int = 128) -> Int8Linear:
@@ -50,7 +43,7 @@ def test_every_int8_product_computes_the_dequantized_weights_product(process_gro
 def test_each_row_count_runs_the_product_chosen_for_it(process_group):
     layer = int8_layer()
     assert layer.kernel_for(1) == layer.kernel_for(4096) == "int8"  # unmeasured: the CPU's default
-    layer.kernels = ((1, "int8"), (8, "widened"), (64, "int8"))
+    layer.kernels = {1: "int8", 8: "widened", 64: "int8"}
     chosen = [layer.kernel_for(rows) for rows in (1, 2, 8, 9, 64, 5000)]
     assert chosen == ["int8", "widened", "widened", "int8", "int8", "int8"]
     ran = []
@@ -88,14 +81,14 @@ def test_the_cpu_chooses_an_int8_product_per_row_count_by_timing_them(process_gr
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / faster))  # a machine that has measured nothing
         monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products_where(faster))
         quantized_kernels.choose_quantized_kernels(layer)
-        assert layer.kernels == tuple((rows, faster) for rows in quantized_kernels.CPU_TIMED_ROWS)
+        assert layer.kernels == {rows: faster for rows in quantized_kernels.CPU_TIMED_ROWS}
 
 
 def test_an_int8_choice_once_timed_is_kept_by_every_later_load(process_group, tmp_path, monkeypatch):
     """The products round differently, so the first timing's choice is cached and every later choice on this
     machine (in this process, or a new one reading the file) is the same, though the products now time otherwise."""
-    from llama.cpu import KernelCache
     from llama.runtime import quantized_kernels
+    from llama.runtime.cpu import KernelCache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     layer = int8_layer()
@@ -104,7 +97,7 @@ def test_an_int8_choice_once_timed_is_kept_by_every_later_load(process_group, tm
     first = layer.kernels
     monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products_where("int8"))
     quantized_kernels.choose_quantized_kernels(layer)
-    assert layer.kernels == first == tuple((rows, "widened") for rows in quantized_kernels.CPU_TIMED_ROWS)
+    assert layer.kernels == first == {rows: "widened" for rows in quantized_kernels.CPU_TIMED_ROWS}
     KernelCache.IN_PROCESS.clear()  # as a new process starts: from the file
     quantized_kernels.choose_quantized_kernels(layer)
     assert layer.kernels == first
@@ -161,9 +154,9 @@ def quantized_cuda_model(tmp_path, scheme: str, max_batch_size: int = 2):
 def test_gpu_chooses_a_product_per_row_count_and_each_gives_the_dequantized_logits(process_group, tmp_path, scheme):
     model, _ = quantized_cuda_model(tmp_path, scheme)
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert layers and all(tuple(rows for rows, _ in m.kernels) == TIMED_ROWS for m in layers)
+    assert layers and all(tuple(m.kernels) == TIMED_ROWS for m in layers)
     for layer in layers:
-        chosen = {name for _, name in layer.kernels}
+        chosen = set(layer.kernels.values())
         assert chosen <= set(layer.products(1)) | set(layer.products(512))
         if isinstance(layer, Int4Linear):  # the second copy stays only where a chosen product reads it
             assert hasattr(layer, "nibbles") == ("dequantized" in chosen)
@@ -171,7 +164,7 @@ def test_gpu_chooses_a_product_per_row_count_and_each_gives_the_dequantized_logi
     with torch.inference_mode():
         chosen_logits = model(tokens, 0).float()
         for layer in layers:
-            layer.kernels = ()  # every product the default one
+            layer.kernels = {}  # every product the default one
         default_logits = model(tokens, 0).float()
     assert (chosen_logits - default_logits).abs().max() < 0.05 * default_logits.abs().max()
 

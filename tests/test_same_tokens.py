@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
-import llama.cpu.choice
+import llama.runtime.cpu.choice
 from llama import Llama
-from llama.cpu import CPULinear
-from llama.quantize import Int8Linear
 from llama.runtime import quantized_kernels
+from llama.runtime.cpu import CPULinear
+from llama.runtime.quantized import Int8Linear
 
 PROMPTS = ["The best way to", "日本の首都は", "Once upon a time, in a land"]
 DIALOGS = [
@@ -34,7 +34,7 @@ def rounding_by_row_count(generator: Llama) -> None:
         if isinstance(layer, CPULinear):
             layer.kernels = {1: "mv", 256: "linear"}
         elif isinstance(layer, Int8Linear):
-            layer.kernels = ((1, "int8"), (256, "widened"))
+            layer.kernels = {1: "int8", 256: "widened"}
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16", "int8", "int4"])
@@ -147,7 +147,7 @@ def test_two_loads_give_identical_logits_though_the_timings_change_between_them(
     tokens = torch.randint(0, 128256, (1, 12), generator=torch.Generator().manual_seed(4))
     logits, kernels = [], []
     for timings, faster_int8 in ((busy, "int8"), (quiet, "widened")):
-        monkeypatch.setattr(llama.cpu.choice, "time_kernels", fake_timings(timings))
+        monkeypatch.setattr(llama.runtime.cpu.choice, "time_kernels", fake_timings(timings))
         monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", int8_timings_where(faster_int8))
         generator = Llama.build(
             str(tiny_checkpoint), tokenizer_path, max_seq_len=64, max_batch_size=4, device="cpu", quantize=quantize

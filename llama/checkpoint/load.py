@@ -28,10 +28,11 @@ from llama.checkpoint.quantized import layer_from_saved, saved_shapes
 from llama.checkpoint.report import LoadReport, weights_bar
 from llama.checkpoint.shards import CheckpointReader, check_model_parallel_size, rank_weights
 from llama.checks import short_repr
-from llama.cuda_graphs import decode_step_bytes
 from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
 from llama.model import ModelArgs, Transformer
-from llama.quantize import check_device, check_scheme, quantize_layer, whole_shape
+from llama.quantize import check_device, check_scheme, whole_shape
+from llama.runtime.cuda_graphs import decode_step_bytes
+from llama.runtime.quantized import quantize_layer
 from llama.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,8 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from llama.quantize import Int4Linear, Int8Linear, QuantizedLinear, int4_group_for, quantize_int4, quantize_int8
+from llama.quantize import int4_group_for, quantize_int4, quantize_int8
+from llama.runtime.quantized import Int4Linear, Int8Linear, QuantizedLinear
 
 # A quantized checkpoint (`python -m llama.convert quantize`) stores each linear layer of the model as
 # "<name>.weight" (int8, or for int4 two 4-bit values per uint8: even inputs in the low nibble), "<name>.scales"

@@ -17,9 +17,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from llama.cpu.cache import KernelCache, Measured
-from llama.cuda_graphs import record
-from llama.quantize import (
+from llama.runtime.cpu.cache import KernelCache, Measured
+from llama.runtime.quantized import (
     QUANTIZED_PRODUCTS,
     Int4Linear,
     Int8Linear,
@@ -27,7 +26,7 @@ from llama.quantize import (
     int8_kernel_product,
     widened_in_blocks,
 )
-from llama.timing import timed
+from llama.runtime.timing import graph_seconds_or_first, time_kernels, timed
 
 # Row counts at which each product is timed: a decode step of one sequence (the only count at which the "fused"
 # int8 product is compiled), a batch's step, a short prompt, a long one.
@@ -37,11 +36,10 @@ CPU_TIMED_ROWS = (1, 8, 64, 256)
 CPU_SAMPLE_VALUES = 2**20
 CPU_INT8_PRODUCTS = {"int8": int8_kernel_product, "widened": widened_in_blocks}
 PRODUCT_VARIABLE = "LLAMA_QUANTIZED_PRODUCT"  # pins one product (`pinned_product`)
-GRAPH_CALLS = 10  # products per timed CUDA graph replay
 SCREEN = 4  # products more than this many times slower than the best at a first, eager call are not timed further
 
 
-def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Tuple[Tuple[int, str], ...]]:
+def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Dict[int, str]]:
     """Step 5: set each quantized layer's `kernels` where it has more than one product (on a GPU every one; on the
     CPU the int8 ones), chosen once per (type, weight shape) from the kernel cache or timed; free the int4 weights'
     second copies no chosen product reads. Returns the choices by (type name, out, in)."""
@@ -54,21 +52,21 @@ def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Tuple[Tuple[int, s
         key = (type(layer).__name__, layer.out_features, layer.in_features)
         if key not in choices:
             pinned = pinned_product(layer)
-            choices[key] = ((1, pinned),) if pinned is not None else measured_choice(layer, cache)
-        layer.kernels = choices[key]
+            choices[key] = {1: pinned} if pinned is not None else measured_choice(layer, cache)
+        layer.kernels = dict(choices[key])
         if isinstance(layer, Int4Linear):
             layer.drop_unused_copies()
     cache.save()
     return choices
 
 
-def measured_choice(layer: QuantizedLinear, cache: KernelCache) -> Tuple[Tuple[int, str], ...]:
+def measured_choice(layer: QuantizedLinear, cache: KernelCache) -> Dict[int, str]:
     """The fastest product of `layer` at each timed row count, from `cache` where it holds the row count's timings
     (measured by an earlier load here: the same choice, so the same results), else timed now and cached."""
     on_cpu = layer.weight.device.type == "cpu"
     device = "CPU" if on_cpu else torch.cuda.get_device_name(layer.weight.device)
     product = f"{type(layer).__name__} {layer.activation_dtype()} {layer.out_features}x{layer.in_features} on {device}"
-    choice = []
+    choice = {}
     for rows in CPU_TIMED_ROWS if on_cpu else TIMED_ROWS:
         candidates = sorted(CPU_INT8_PRODUCTS if on_cpu else layer.products(rows))
         key = cache.key(product, rows, candidates)
@@ -76,8 +74,8 @@ def measured_choice(layer: QuantizedLinear, cache: KernelCache) -> Tuple[Tuple[i
         if measured is None:
             measured = cpu_int8_timings(layer, rows) if on_cpu else gpu_timings(layer, rows)
             cache.put(key, measured)
-        choice.append((rows, measured.fastest()))
-    return tuple(choice)
+        choice[rows] = measured.fastest()
+    return choice
 
 
 def pinned_product(layer: QuantizedLinear) -> Optional[str]:
@@ -114,50 +112,24 @@ def fastest(products: Dict[str, Callable], x: torch.Tensor, repeats: int = 5) ->
 
 def product_timings(products: Dict[str, Callable], x: torch.Tensor, repeats: int = 5) -> Measured:
     """The seconds each product takes to run `x`; one that raises (no such kernel on this device or build) is out of
-    the running. On the CPU, the fastest and the median of `repeats` timed calls after a warm-up one. On CUDA each is
-    timed as a recorded CUDA graph (`gpu_seconds`), as a decode step runs, unless its first call was `SCREEN` times
-    the best first call: that call's time is then its figure."""
-    calls, rounds = {}, {}
-    cpu = x.device.type == "cpu"
+    the running. On the CPU, each one's fastest and median of `repeats` rounds (`time_kernels`, the float kernels'
+    timer). On CUDA each is timed as a recorded CUDA graph (`gpu_seconds`), as a decode step runs, unless its first
+    call took `SCREEN` times the best first call: that call's time is then its figure."""
+    calls, first = {}, {}
     for name, product in products.items():
         call = lambda product=product: product(x)  # noqa: E731
         try:
             call()  # a warm-up call (a compiled product compiles)
-            rounds[name] = [timed(call, x.device) for _ in range(repeats if cpu else 1)]
+            first[name] = timed(call, x.device)
         except (RuntimeError, NotImplementedError):
             continue
         calls[name] = call
     if not calls:
         raise ValueError(f"None of the products {sorted(products)} runs on {x.device}")
-    if cpu:
+    if x.device.type == "cpu":
+        (rounds,) = time_kernels([calls], None, repeats)
         return Measured({k: min(r) for k, r in rounds.items()}, {k: statistics.median(r) for k, r in rounds.items()})
-    # A product several times slower than the best at its first call is not recorded and replayed (PyTorch's int8
-    # kernel took 28 ms for 512 rows of a 6144 x 4096 weight on an H100, 760 times bfloat16's time).
-    first = {name: r[0] for name, r in rounds.items()}
     seconds = dict(first)
     for name in [name for name in calls if first[name] <= SCREEN * min(first.values())]:
         seconds[name] = graph_seconds_or_first(calls[name], first[name], repeats)
     return Measured(seconds, dict(seconds))
-
-
-def graph_seconds_or_first(call: Callable[[], object], first: float, repeats: int) -> float:
-    """`gpu_seconds`, or for a product that cannot be recorded as a CUDA graph, its first call's time."""
-    try:
-        return gpu_seconds(call, repeats)
-    except RuntimeError:
-        return first
-
-
-def gpu_seconds(call: Callable[[], object], repeats: int) -> float:
-    """Seconds per `call()`, as the GPU runs it: `GRAPH_CALLS` calls recorded as one CUDA graph (so that Python's
-    time to launch them is left out, as in a recorded decode step), the median of `repeats` replays."""
-    graph, _ = record(lambda: [call() for _ in range(GRAPH_CALLS)], None)
-    seconds = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        seconds.append(start.elapsed_time(end) / 1000 / GRAPH_CALLS)
-    return statistics.median(seconds)

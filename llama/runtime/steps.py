@@ -3,13 +3,17 @@ steps, in order. Nothing else in the package replaces a model's layers or sets a
 """
 
 import functools
+import logging
 from typing import Optional, Tuple
 
 import torch
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from torch import nn
 
-from llama.cpu import (
+from llama.model import Transformer
+from llama.quantize import check_device, check_group_size, check_scheme
+from llama.runtime.compiled import AnnouncedCompiles
+from llama.runtime.cpu import (
     CPULinear,
     attention_kernel,
     choose_kernels,
@@ -19,15 +23,14 @@ from llama.cpu import (
     make_weight_copies,
     row_counts,
 )
-from llama.cuda_graphs import CUDAGraphDecodeStep
-from llama.model import Transformer
-from llama.parallel_layers import InferenceLayer, ParallelEmbedding, ParallelLinear
-from llama.progress import AnnouncedCompiles
-from llama.quantize import check_device, check_group_size, check_scheme, is_quantized, quantize_layer
+from llama.runtime.cuda_graphs import CUDAGraphDecodeStep
+from llama.runtime.parallel_layers import InferenceLayer, ParallelEmbedding, ParallelLinear
+from llama.runtime.quantized import is_quantized, quantize_layer
 from llama.runtime.quantized_kernels import choose_quantized_kernels
 from llama.runtime.transformer import DecodeStep, RuntimeTransformer
 
 LINEAR = (ColumnParallelLinear, RowParallelLinear)
+logger = logging.getLogger(__name__)
 
 
 def for_runtime(
@@ -61,7 +64,7 @@ def for_runtime(
     use_parallel_layers(runtime)
     choose_quantized_kernels(runtime)
     if compile:
-        return runtime, AnnouncedCompiles(compiled_decode_step(runtime))
+        return runtime, compiled_step(runtime)
     if use_cuda_graphs(runtime.tok_embeddings.weight.device, model_parallel_size, cuda_graphs):
         return runtime, CUDAGraphDecodeStep(runtime)
     return runtime, None
@@ -73,28 +76,33 @@ def use_cuda_graphs(device: torch.device, model_parallel_size: int, requested: b
     return requested and device.type == "cuda" and model_parallel_size == 1
 
 
-def replace_layers(model: nn.Module, kind, replacement) -> None:
-    """Replace every submodule of `model` of type `kind` with `replacement(submodule)`, in place. The fairscale
-    layer an `InferenceLayer` holds (for its settings) is not run, and is left as it is."""
+def replace_layers(model: nn.Module, kind, replacement) -> int:
+    """Replace every submodule of `model` of type `kind` with `replacement(submodule)`, in place; return how many.
+    The fairscale layer an `InferenceLayer` holds (for its settings) is not run, and is left as it is."""
+    replaced = 0
     for module in list(model.modules()):
         if isinstance(module, InferenceLayer):
             continue
         for name, child in list(module.named_children()):
             if isinstance(child, kind):
                 setattr(module, name, replacement(child))
+                replaced += 1
+    return replaced
 
 
 def use_cpu_kernels(model: nn.Module) -> None:
     """Step 1: every fairscale linear layer of `model` becomes a `CPULinear` (on `F.linear` until step 3 chooses);
-    for a model that `llama.cpu.cpu_kernels_apply` to."""
+    for a model that `llama.runtime.cpu.cpu_kernels_apply` to."""
     replace_layers(model, LINEAR, CPULinear)
 
 
-def use_parallel_layers(model: nn.Module) -> None:
+def use_parallel_layers(model: nn.Module) -> int:
     """Step 4: fairscale's linear layers and embedding become `ParallelLinear` and `ParallelEmbedding` (the same
-    weights, keys and math); layers replaced already (`CPULinear`, quantized ones) stay as they are."""
-    replace_layers(model, LINEAR, ParallelLinear)
-    replace_layers(model, VocabParallelEmbedding, ParallelEmbedding)
+    weights, keys and math); layers replaced already (`CPULinear`, quantized ones) stay as they are. Returns how
+    many layers it replaced."""
+    return replace_layers(model, LINEAR, ParallelLinear) + replace_layers(
+        model, VocabParallelEmbedding, ParallelEmbedding
+    )
 
 
 def unpack_layers(model: nn.Module) -> None:
@@ -103,7 +111,8 @@ def unpack_layers(model: nn.Module) -> None:
 
 
 def choose_cpu_kernels(model: nn.Module, copies: bool) -> None:
-    """Step 3: each product's kernel for each row count that matters (`llama.cpu.choose_kernels`; kernels on a copy
+    """Step 3: each product's kernel for each row count that matters (`llama.runtime.cpu.choose_kernels`; kernels on a
+    copy
     of the weights only where `copies`), then the copies of the weights the chosen kernels run on."""
     for layer, kernels in choose_kernels(model, row_counts(model.params.max_batch_size), copies).items():
         layer.kernels = kernels
@@ -143,13 +152,21 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
     return model
 
 
+def compiled_step(model: RuntimeTransformer) -> DecodeStep:
+    """Step 6 with `compile`: `compiled_decode_step`, announced as it compiles (`AnnouncedCompiles`). For
+    `Llama.build(compile=True)` and `Llama.compile_decode_step`."""
+    return AnnouncedCompiles(compiled_decode_step(model))
+
+
 def compiled_decode_step(model: RuntimeTransformer) -> DecodeStep:
     """`model.decode_step` compiled by torch.compile, replayed as a CUDA graph on CUDA.
 
-    fairscale's layers left in `model` are replaced with `llama.parallel_layers`' (the same weights and math) first:
-    with theirs, the step would not compile to one graph.
+    A model that `for_runtime` made has no fairscale layer left (step 4). One put back on them (`unpack_layers`, as
+    in Meta's code) is given `llama.runtime.parallel_layers`' again first, the same weights and math, and a log record
+    says so: with fairscale's, the step would not compile to one graph.
     """
-    use_parallel_layers(model)
+    if use_parallel_layers(model):
+        logger.info("Compiling the decode step: fairscale's layers replaced with the runtime's parallel layers first")
     on_cuda = model.tok_embeddings.weight.is_cuda
     options = {
         "triton.cudagraphs": on_cuda,  # what mode="reduce-overhead" turns on

@@ -25,7 +25,7 @@ FuseProducts = Callable[..., Optional[nn.Module]]
 
 
 class FusedFeedForward(nn.Module):
-    """`FeedForward` with w1 and w3 run as one product (`w13`, a `llama.cpu.FusedW13`)."""
+    """`FeedForward` with w1 and w3 run as one product (`w13`, a `llama.runtime.cpu.FusedW13`)."""
 
     def __init__(self, feed_forward: FeedForward, w13: nn.Module):
         super().__init__()

@@ -13,8 +13,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from llama.cpu.kernels import KERNELS
-from llama.quantize import QUANTIZED_PRODUCTS
+from llama.runtime.cpu.kernels import KERNELS
+from llama.runtime.quantized import QUANTIZED_PRODUCTS
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +83,12 @@ class Measured:
     seconds: Dict[str, float]
     median: Dict[str, float]
     fp16_copy: Optional[float] = None
-    # Whether its rounds disagreed even when timed again (`llama.cpu.choice.NOISE`): a busy machine's figures, cached
+    # Whether its rounds disagreed even when timed again (`llama.runtime.cpu.choice.NOISE`): a busy machine's figures,
+    # cached
     # all the same (with a warning), since a choice once made stays.
     noisy: bool = False
-    # Whether a later load's re-check found these figures still hold (`llama.cpu.choice.recheck_cached_timings`): then
+    # Whether a later load's re-check found these figures still hold
+    # (`llama.runtime.cpu.choice.recheck_cached_timings`): then
     # no load re-checks them again.
     confirmed: bool = False
 

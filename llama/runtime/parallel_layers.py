@@ -9,10 +9,13 @@ graphs (and CUDA graphs), with Python between them. These layers skip the sum in
 graph of several processes run it as a functional all-reduce, which the graph includes: the decode step
 compiles to a single graph.
 
-`llama.runtime` uses them on every device (on CPU the linear layers are their subclass `llama.cpu.CPULinear`). In
+`llama.runtime` uses them on every device (on CPU the linear layers are their subclass `llama.runtime.cpu.CPULinear`).
+In
 eager decoding they also skip the cost of fairscale's autograd.Functions, a few hundred calls per token (figures:
 docs/speed.md).
 """
+
+from typing import Dict
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
@@ -70,6 +73,26 @@ class ParallelLinear(InferenceLayer):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+class MeasuredLinear(ParallelLinear):
+    """A `ParallelLinear` with several kernels for its product, one chosen per row count by measuring them at load
+    (the CPU's float kernels, `llama.runtime.cpu.CPULinear`; the quantized products, `llama.runtime.quantized`).
+
+    `kernels` maps row counts to kernel names: an input of n rows runs on the kernel of the smallest count that is at
+    least n, or of the largest count (a long prompt); with none chosen, on `default_kernel()`."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__(layer)
+        self.kernels: Dict[int, str] = {}
+
+    def default_kernel(self) -> str:
+        raise NotImplementedError
+
+    def kernel_for(self, rows: int) -> str:
+        if not self.kernels:
+            return self.default_kernel()
+        return self.kernels[min((count for count in self.kernels if count >= rows), default=max(self.kernels))]
 
 
 class ParallelEmbedding(InferenceLayer):

@@ -18,7 +18,7 @@ One concern a module: `kernels` (what each kernel runs and needs), `layers` (`CP
 loaded model.
 """
 
-from llama.cpu.cache import (
+from llama.runtime.cpu.cache import (
     INSTRUCTION_CAPS,
     KernelCache,
     Measured,
@@ -28,7 +28,7 @@ from llama.cpu.cache import (
     instruction_caps,
     last_level_cache_bytes,
 )
-from llama.cpu.choice import (
+from llama.runtime.cpu.choice import (
     DECODE_SAMPLE_VALUES,
     PROMPT_ROWS,
     PROMPT_SAMPLE_VALUES,
@@ -45,7 +45,7 @@ from llama.cpu.choice import (
     time_kernels,
     weight_sample,
 )
-from llama.cpu.kernels import (
+from llama.runtime.cpu.kernels import (
     FP16_BLOCK_VALUES,
     FP16_MAX,
     KERNEL_VARIABLE,
@@ -66,7 +66,7 @@ from llama.cpu.kernels import (
     weight_copy,
     with_versions,
 )
-from llama.cpu.layers import (
+from llama.runtime.cpu.layers import (
     CPULinear,
     FusedProduct,
     FusedQKV,

@@ -12,8 +12,9 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from llama.cpu.cache import KernelCache, Measured, last_level_cache_bytes
-from llama.cpu.kernels import (
+from llama.distributed import available_memory
+from llama.runtime.cpu.cache import KernelCache, Measured, last_level_cache_bytes
+from llama.runtime.cpu.kernels import (
     KERNEL_VARIABLE,
     KERNELS,
     candidate_kernels,
@@ -26,18 +27,16 @@ from llama.cpu.kernels import (
     run_kernel,
     weight_copy,
 )
-from llama.cpu.layers import CPULinear, product_name, products
-from llama.distributed import available_memory
-from llama.timing import timed, timed_call
+from llama.runtime.cpu.layers import CPULinear, product_name, products
+from llama.runtime.timing import TIMED_ROUNDS, time_kernels, timed_call
 
 logger = logging.getLogger(__name__)
 
 PROMPT_ROWS = 256  # the row count a prompt is measured at; inputs of more rows than the batch use its choice
 DECODE_SAMPLE_VALUES = 2**22  # one row and the batch: timed on up to this many weights of a product (from memory)
 PROMPT_SAMPLE_VALUES = 2**20  # a prompt: fewer, since it is bound by arithmetic rather than by reading the weight
-# Timed rounds, after a warm-up one: each kernel ranks by its median round, what decoding meets step after step,
-# rather than by a lucky fastest one (docs/speed.md); a float16 copy must lead the other kernels' fastest round.
-TIMED_ROUNDS = 5
+# Each kernel ranks by its median round (`TIMED_ROUNDS` of them), what decoding meets step after step, rather than
+# by a lucky fastest one (docs/speed.md); a float16 copy must lead the other kernels' fastest round.
 PROMPT_TIMED_ROUNDS = 2  # a prompt's calls are steadier, and each costs some 20 decode calls
 # The rounds disagree when a kernel's fastest round beats the best median round by more than this many times: the
 # machine was busy (another program took the cores for part of the measurement), and may have decided the choice.
@@ -50,33 +49,6 @@ NOISE = 1.3
 RECHECK_ROUNDS = 3
 STALE = 1.5
 FLIPPED = 1.2  # by more than this: closer than that, either kernel serves
-
-
-def time_kernels(
-    runs: List[Dict[str, Callable[[], object]]], flush: Optional[Callable[[], object]], rounds: int = TIMED_ROUNDS
-) -> List[Dict[str, List[float]]]:
-    """For each product (a dict of its kernels' calls), each kernel's time in seconds in each of `rounds` rounds,
-    after a warm-up round (where oneDNN builds its primitives and mapped weights are read in). Within a round every
-    product's kernels take turns, so that a slow spell of a shared machine falls on all of them. Each round starts
-    with `flush` (if any), which evicts the caches, since in a decode step each weight comes from memory, the rest
-    of the model having been read since; every kernel of every product runs on weights of its own, so no call brings
-    the next one's weights into the cache, and one flush serves the whole round. A kernel more than twice as slow as
-    its product's best after a round is not timed again."""
-    for product in runs:
-        for run in product.values():
-            run()
-    found = [{kernel: [] for kernel in product} for product in runs]
-    still_timed = [list(product) for product in runs]
-    for _ in range(rounds):
-        if flush is not None:
-            flush()
-        for product, times, kernels in zip(runs, found, still_timed):
-            for kernel in kernels:
-                times[kernel].append(timed(product[kernel]))
-        for times, kernels in zip(found, still_timed):
-            best = {kernel: min(seconds) for kernel, seconds in times.items()}
-            kernels[:] = [kernel for kernel in kernels if best[kernel] <= 2 * min(best.values())]
-    return found
 
 
 def row_counts(max_batch_size: int) -> List[int]:

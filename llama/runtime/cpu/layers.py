@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llama.cpu.kernels import (
+from llama.distributed import global_rank
+from llama.runtime.cpu.kernels import (
     FP16_BLOCK_VALUES,
     KERNELS,
     fbgemm_fp16_supported,
@@ -22,17 +23,16 @@ from llama.cpu.kernels import (
     weight_copy,
     with_versions,
 )
-from llama.distributed import global_rank
-from llama.parallel_layers import ParallelLinear
+from llama.runtime.parallel_layers import MeasuredLinear
 
 logger = logging.getLogger(__name__)
 
 
-class CPULinear(ParallelLinear):
+class CPULinear(MeasuredLinear):
     """A fairscale `ColumnParallelLinear` or `RowParallelLinear` whose matmul runs on the kernel chosen for it.
 
-    `kernels` maps row counts to kernels (`KERNELS`): an input of n rows runs on the kernel of the smallest count
-    that is at least n, or of the largest count (a long prompt). `choose_kernels` chooses them by measuring.
+    `kernels` maps row counts to kernels (`KERNELS`; `MeasuredLinear`), `F.linear`'s until `choose_kernels`
+    chooses them by measuring.
     The copies some kernels run on are made at their first use, and again whenever the weight has changed since
     (`packed_copy`): "fp16" runs on fbgemm's packed float16 copy (`pack_as_fp16`; where float16 cannot hold the
     weight, on `F.linear`), "onednn" in bfloat16 on a copy in oneDNN's blocked layout, the kernel `F.linear` runs
@@ -54,10 +54,8 @@ class CPULinear(ParallelLinear):
         self.kernels = dict(sorted(kernels.items()))
         self.packed = {}  # kernel -> (the weight and its version when copied, the copy)
 
-    def kernel_for(self, rows: int) -> str:
-        return next(
-            (kernel for count, kernel in self.kernels.items() if rows <= count), self.kernels[max(self.kernels)]
-        )
+    def default_kernel(self) -> str:
+        return "linear"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # torch.compile picks its own kernels
