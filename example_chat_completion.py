@@ -2,10 +2,9 @@ import sys
 from typing import List
 
 from llama import Dialog, Llama
-from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, check_sampling
 from llama.cli import common
 from llama.cli.chat import run_chat
-from llama.decoding import check_sampling
 
 
 def main(

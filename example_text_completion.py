@@ -2,9 +2,8 @@ import sys
 from typing import List
 
 from llama import Llama
-from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, check_sampling
 from llama.cli import common
-from llama.decoding import check_sampling
 
 
 def main(

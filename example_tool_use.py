@@ -4,9 +4,8 @@ import sys
 from datetime import datetime, timedelta, timezone
 
 from llama import ChatFormat, Llama
-from llama.checks import DEFAULT_TOP_P
+from llama.checks import DEFAULT_TOP_P, check_sampling
 from llama.cli import common
-from llama.decoding import check_sampling
 from llama.tools import TOOL_PROMPT_FORMATS, Tool, chat_with_tools, tool_messages
 
 # The calculator's operators. The expression is parsed, never evaluated by Python: only numbers and these operators

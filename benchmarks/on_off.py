@@ -23,9 +23,10 @@ The speed-ups:
   (`llama.runtime.cpu.fp16_products`), which skips a failed `__torch_function__` lookup on the packed weight at each
   call;
   only where weights run on float16 copies. Switched off, the op is called as it is elsewhere.
-- top-p-head: nucleus sampling ranks only the most likely tokens of each row (`llama.sampling.nucleus_head`) rather
+- top-p-head: nucleus sampling ranks only the most likely tokens of each row (`llama.decoding.sampling.nucleus_head`)
+rather
   than sorting the whole vocabulary; only sampled decoding uses it.
-- greedy-numpy: greedy decoding picks the most likely token with numpy's argmax (`llama.sampling.greedy_pick`)
+- greedy-numpy: greedy decoding picks the most likely token with numpy's argmax (`llama.decoding.sampling.greedy_pick`)
   rather than torch's.
 
 A shared machine's speed drifts from minute to minute by more than these gains, so two separate benchmark runs
@@ -48,11 +49,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import DECODE_PROMPT, default_tokenizer, meta_checkpoint, timed  # noqa: E402
 
+import llama.decoding.sampling  # noqa: E402
 import llama.runtime.cpu  # noqa: E402
-import llama.sampling  # noqa: E402
 from llama import Llama  # noqa: E402
+from llama.decoding.sampling import greedy_pick  # noqa: E402
 from llama.runtime.cpu import CPULinear  # noqa: E402
-from llama.sampling import greedy_pick  # noqa: E402
 
 LONG_PROMPT = 600  # tokens before the decode steps of the last figure
 
@@ -149,17 +150,17 @@ def fp16_call_switch(generator: Llama):
 
 
 def top_p_head_switch(generator: Llama):
-    sizes = llama.sampling.NUCLEUS_HEAD_SIZES
+    sizes = llama.decoding.sampling.NUCLEUS_HEAD_SIZES
 
     def switch(on: bool) -> None:
-        llama.sampling.NUCLEUS_HEAD_SIZES = sizes if on else ()
+        llama.decoding.sampling.NUCLEUS_HEAD_SIZES = sizes if on else ()
 
     return switch
 
 
 def greedy_numpy_switch(generator: Llama):
     def switch(on: bool) -> None:
-        llama.sampling.greedy_pick = greedy_pick if on else functools.partial(torch.argmax, dim=-1)
+        llama.decoding.sampling.greedy_pick = greedy_pick if on else functools.partial(torch.argmax, dim=-1)
 
     return switch
 

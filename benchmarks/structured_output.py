@@ -4,7 +4,8 @@
     python benchmarks/structured_output.py --shape d512 --runs 5
     pip install xgrammar outlines-core                           # to measure them beside llguidance
 
-- libraries: for llguidance (what `llama.structured` uses) and, where installed, xgrammar and outlines-core, on the
+- libraries: for llguidance (what `llama.decoding.grammar` uses) and, where installed, xgrammar and outlines-core, on
+the
   Llama 3 tokenizer: how many of tests/test_structured.py's 20 schemas each compiles, the median seconds to compile
   one, and the median time to compute one token's mask (following a greedy path over random logits, 40 tokens per
   schema).
@@ -61,7 +62,7 @@ def greedy_path_mask_seconds(start, mask, advance, is_stop, vocab_size: int) -> 
 
 
 def measure_llguidance(schemas, tokenizer, vocab_size: int):
-    from llama.structured import Grammar, grammar_tokenizer
+    from llama.decoding.grammar import Grammar, grammar_tokenizer
 
     grammar_tokenizer(tokenizer, vocab_size)  # built once per process, not per schema
     compiled, compile_s, mask_s = 0, [], []

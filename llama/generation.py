@@ -1,24 +1,31 @@
 """The public API: `Llama.build` loads a checkpoint and its tokenizer; `generate`, `text_completion` and
-`chat_completion` (and their streaming forms, from `llama.streaming`) run them. Loading lives in `llama.checkpoint`,
-the runtime in `llama.runtime`, decoding in `llama.decoding`, and the way between text and token IDs in
-`llama.completions`; this class ties them together.
+`chat_completion`, and their streaming forms, run them. Loading lives in `llama.checkpoint`, the runtime in
+`llama.runtime`, decoding in `llama.decoding`, and the way between text and token IDs in `llama.text`; this class
+ties them together.
 """
 
 import time
 from datetime import timedelta
-from typing import List, Optional, Tuple, TypedDict, Union
+from typing import Iterator, List, Optional, Tuple, TypedDict, Union
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 
 from llama.checkpoint import LoadReport, load_checkpoint
 from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from llama.completions import chat_prediction, completion_prediction, constraints_for, encode_dialogs, encode_prompts
-from llama.decoding import BatchDecoder, StopReason
-from llama.progress import Speed, Stopwatch
+from llama.decoding import BatchDecoder, Speed, Stopwatch
+from llama.decoding.grammar import constraints_for
 from llama.runtime import DecodeStep, RuntimeTransformer, compiled_step, for_runtime
-from llama.streaming import StreamingCompletions
-from llama.tokenizer import ChatFormat, Dialog, Message, Tokenizer
+from llama.text import (
+    StreamChunk,
+    chat_prediction,
+    completion_prediction,
+    encode_dialogs,
+    encode_prompts,
+    stream_chunks,
+    with_tool_calls,
+)
+from llama.tokenizer import ChatFormat, Dialog, Message, StopReason, Tokenizer
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 
@@ -33,10 +40,10 @@ class ChatPrediction(TypedDict, total=False):
     generation: Message
     tokens: List[str]  # with logprobs=True
     logprobs: List[float]  # with logprobs=True
-    stop_reason: StopReason  # ours: why the answer ended
+    stop_reason: StopReason  # why the answer ended (not in Meta's ChatPrediction: docs/differences.md)
 
 
-class Llama(StreamingCompletions):
+class Llama:
     load_report: Optional[LoadReport] = None  # what `build` chose and how long it took
     last_speed: Optional[Speed] = None  # of the last `generate`, `text_completion` or `chat_completion` (not streams)
 
@@ -89,8 +96,8 @@ class Llama(StreamingCompletions):
                 break the other way and a seeded sample may differ from a cold call's (docs/chat.md).
 
         Returns:
-            The generator. It prints nothing (the reference prints "Loaded in X seconds"): its `load_report` says what
-            was loaded, on which device, in which dtype and how fast, for the caller to show.
+            The generator. It prints nothing: its `load_report` says what was loaded, on which device, in which dtype
+            and how fast, for the caller to show (docs/differences.md).
 
         Raises:
             FileNotFoundError: when ckpt_dir, params.json/config.json, a shard or the tokenizer is missing.
@@ -224,8 +231,9 @@ class Llama(StreamingCompletions):
             top_p: Nucleus sampling threshold, in (0, 1].
             max_gen_len: The most tokens to generate; None means max_seq_len - 1.
             logprobs: Also return each generated token's text and log-probability.
-            response_format: Ours, OpenAI's shape: {"type": "json_object"} or {"type": "json_schema", "json_schema":
-                {"schema": {...}}} decodes under a grammar (llguidance), so the answer is such JSON (docs/serve.md).
+            response_format: Not in Meta's API; OpenAI's shape: {"type": "json_object"} or {"type": "json_schema",
+                "json_schema": {"schema": {...}}} decodes under a grammar (llguidance), so the answer is such JSON
+                (docs/serve.md).
 
         Returns:
             One ChatPrediction per dialog: {"generation": {"role": "assistant", "content": text},
@@ -244,3 +252,44 @@ class Llama(StreamingCompletions):
         self.last_speed = stopwatch.speed(sum(len(t) for t in generation_tokens))
         rows = zip(generation_tokens, generation_logprobs, stop_reasons)
         return [chat_prediction(self.formatter, t, p, reason) for t, p, reason in rows]
+
+    @torch.inference_mode()
+    def text_completion_stream(
+        self,
+        prompts: List[str],
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
+        max_gen_len: Optional[int] = None,
+    ) -> Iterator[StreamChunk]:
+        """Like `text_completion`, but yields each prompt's new text as soon as it can be decoded.
+
+        Chunks of different prompts interleave; join the `text` of one `index` to get its whole generation,
+        which equals `text_completion`'s for the same seed. A chunk never ends inside a multi-byte character.
+        Each prompt's last chunk has `finished=True` and its `stop_reason`.
+
+        Raises:
+            ValueError: as `text_completion`.
+        """
+        prompt_tokens = encode_prompts(self.tokenizer, prompts)
+        tokens = self.decoder.stream(prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p)
+        yield from stream_chunks(self.tokenizer, tokens)
+
+    @torch.inference_mode()
+    def chat_completion_stream(
+        self,
+        dialogs: List[Dialog],
+        temperature: float = DEFAULT_TEMPERATURE,
+        top_p: float = DEFAULT_TOP_P,
+        max_gen_len: Optional[int] = None,
+    ) -> Iterator[StreamChunk]:
+        """Like `chat_completion`, but yields each answer's new text as soon as it can be decoded.
+
+        See `text_completion_stream` for the chunks; joined, they are the answer's text (`chat_completion`'s
+        content unless it calls tools), and with Llama 3.1+ the last one carries the answer's `tool_calls`, if any.
+
+        Raises:
+            ValueError: as `chat_completion`.
+        """
+        prompt_tokens = encode_dialogs(self.formatter, dialogs)
+        tokens = self.decoder.stream(prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p)
+        yield from with_tool_calls(self.formatter, stream_chunks(self.tokenizer, tokens))

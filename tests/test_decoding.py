@@ -1,4 +1,4 @@
-"""llama.decoding.BatchDecoder on its own: a stand-in model and tokenizer, no checkpoint and no `Llama`.
+"""llama.decoding.batch.BatchDecoder on its own: a stand-in model and tokenizer, no checkpoint and no `Llama`.
 
 The stand-in model predicts, at every position, the token after the one there (token + 1), so each output is
 known in advance and every rule of batch decoding can be checked exactly: the prompts' layout, which positions
@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from llama import StreamChunk
-from llama.decoding import BatchDecoder
+from llama.decoding.batch import BatchDecoder
 from llama.model import ModelArgs
 from llama.runtime.cached_tokens import CachedTokens
+from llama.text import stream_chunks
 
 VOCAB = 32
 STOP = 20  # the stand-in tokenizer's only stop token
@@ -93,7 +94,8 @@ def test_logprobs_are_those_of_the_predicted_tokens():
 
 def test_streamed_chunks_join_to_the_run_output():
     prompts = [[17, 18], [1, 2]]
-    chunks = list(BatchDecoder(CountingModel(), tokenizer()).stream(prompts, 6, 0, 0.9))
+    stand_in = tokenizer()
+    chunks = list(stream_chunks(stand_in, BatchDecoder(CountingModel(), stand_in).stream(prompts, 6, 0, 0.9)))
     assert all(isinstance(chunk, StreamChunk) for chunk in chunks)  # the type the package exports
     texts = {i: "".join(c.text for c in chunks if c.index == i) for i in (0, 1)}
     assert texts == {0: "t", 1: "defghi"}  # tokens [19] and [3, ..., 8] as the stand-in decodes them
@@ -115,7 +117,7 @@ def test_bad_batches_are_refused_before_decoding():
 
 
 def test_sample_next_falls_back_to_greedy_only_in_rows_that_overflow():
-    from llama.sampling import sample_next, sample_top_p
+    from llama.decoding.sampling import sample_next, sample_top_p
 
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.5], [1e30, 2e30, 0.0, -1e30]])
     # At 1e-9, row 0's scaled logits (about 3e9) are finite and the draw is certain; row 1's overflow to inf.

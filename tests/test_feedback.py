@@ -16,8 +16,8 @@ import llama.checkpoint.report
 from llama.checkpoint import check_kv_cache_fits
 from llama.checkpoint.report import weights_bar
 from llama.cli import common, demo
+from llama.decoding.speed import Stopwatch
 from llama.model import ModelArgs
-from llama.progress import Stopwatch
 from llama.quantize import check_scheme
 from llama.runtime.compiled import AnnouncedCompiles
 

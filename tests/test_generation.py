@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from llama import Llama
-from llama.sampling import greedy_pick, sample_top_p
+from llama.decoding.sampling import greedy_pick, sample_top_p
 
 BOS, EOS, START_HEADER, END_HEADER, EOT = 128000, 128001, 128006, 128007, 128009
 

@@ -1,4 +1,5 @@
-"""Structured output (`llama.structured`): answers decoded under a JSON schema's grammar are valid, even from random
+"""Structured output (`llama.decoding.grammar`): answers decoded under a JSON schema's grammar are valid, even from
+random
 weights, through `Llama.chat_completion(response_format=...)`; a schema that cannot compile is a clear error.
 Over HTTP (response_format, a named tool_choice, the openai client's parse): tests/test_serve.py."""
 
@@ -10,7 +11,7 @@ from helpers import import_or_skip
 jsonschema = import_or_skip("jsonschema", "pip install -e '.[test]'")
 import_or_skip("llguidance", "pip install -e '.[serve]'")
 
-from llama.structured import GrammarError  # noqa: E402
+from llama.decoding.grammar import GrammarError  # noqa: E402
 
 SHORT = {"type": "string", "maxLength": 12}  # a random model closes a string only when it must
 STEP = 0.25  # and writes digits after the point for as long as it may: multipleOf bounds them

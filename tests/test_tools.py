@@ -20,7 +20,7 @@ import pytest
 from helpers import ScriptedModel, skip_or_fail
 
 from llama import ChatFormat, Llama, Tokenizer
-from llama.completions import assistant_message
+from llama.text.answers import assistant_message
 from llama.tokenizer import stop_reason
 from llama.tools import (
     Tool,

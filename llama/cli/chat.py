@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.cli.chat_input import BLOCK, CONTINUED, LineEditor, closest_command, load_dialog, read_message, save_dialog
+from llama.decoding.speed import Stopwatch
 from llama.generation import Llama
-from llama.progress import Stopwatch
 from llama.tokenizer import Message
 
 T = TypeVar("T")

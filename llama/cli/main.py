@@ -201,7 +201,7 @@ def chat(args: argparse.Namespace) -> None:
 
 
 def complete(args: argparse.Namespace) -> None:
-    from llama.progress import Stopwatch
+    from llama.decoding.speed import Stopwatch
 
     prompt = None if args.prompt == "-" else args.prompt  # "-": stdin, as for many commands
     if prompt is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:

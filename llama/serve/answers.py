@@ -14,7 +14,6 @@ from typing import AsyncIterator, List, Optional, Tuple
 
 from llama.serve.engine import Output
 from llama.serve.protocol import (
-    AnswerText,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -26,6 +25,7 @@ from llama.serve.protocol import (
     prompt_logprobs,
     tool_calls_out,
 )
+from llama.text import AnswerText
 from llama.tokenizer import STOP_TOKEN_REASONS, ChatFormat, Tokenizer
 
 # A piece of an answer: (new text, the outputs it came from, finish_reason or None).

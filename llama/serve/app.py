@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from llama.decoding.grammar import Grammar, GrammarError
 from llama.serve import engine as batching
 from llama.serve.answers import Answer, ChatAnswer, CompletionAnswer
 from llama.serve.engine import Engine, Output, QueueFull
@@ -31,7 +32,6 @@ from llama.serve.protocol import (
     TokenizeChat,
     TokenizePrompt,
 )
-from llama.structured import Grammar, GrammarError
 from llama.tokenizer import ChatFormat, Tokenizer
 
 # How often a request checks that its client is still there.

@@ -31,11 +31,12 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from llama.decoding.grammar import Constraint
+from llama.decoding.next_token import advance_grammars, masked_to_grammars, scores
+from llama.decoding.sampling import sample_next
 from llama.runtime import DecodeStep, RuntimeTransformer
 from llama.runtime.cached_tokens import common_prefix_length
-from llama.sampling import sample_next
 from llama.serve.engine_plan import Plan, PlanChannel, run_plan
-from llama.structured import Constraint
 from llama.tokenizer import Tokenizer, stop_reason
 
 
@@ -65,7 +66,7 @@ class Request:
     seed: Optional[int] = None  # None: draws from a generator seeded at random
     top_logprobs: Optional[int] = None  # None: no logprobs; k: each token's logprob and the k likeliest
     score_prompt: bool = False  # also each prompt token's logprob (and top_logprobs' likeliest): the whole prompt runs
-    constraint: Optional[Constraint] = None  # a grammar the answer must follow (`llama.structured`)
+    constraint: Optional[Constraint] = None  # a grammar the answer must follow (`llama.decoding.grammar`)
     cancelled: bool = False
     cached_tokens: int = 0  # set by the engine: prompt tokens whose keys and values it reused rather than computed
 
@@ -334,10 +335,12 @@ class Engine:
         """Draw row i's next token from its logits (vocab_size,), hand it to the request, and free the row when
         the request is done."""
         request = row.request
-        allowed = logits if request.constraint is None else request.constraint.mask(logits)
-        token = int(sample_next(allowed[None], request.temperature, request.top_p, row.generator))
-        if request.constraint is not None:
-            request.constraint.advance(token)
+        under_grammar = [] if request.constraint is None else [(0, request.constraint)]
+        drawn = sample_next(
+            masked_to_grammars(logits[None], under_grammar), request.temperature, request.top_p, row.generator
+        )
+        advance_grammars(under_grammar, drawn.reshape(-1))
+        token = int(drawn)
         row.generated += 1
         self.sampled += 1
         if token in self.tokenizer.stop_tokens:
@@ -361,13 +364,3 @@ class Engine:
                 if row is not None:
                     row.request.emit(Output(finish="error"))
                     self.release(i)
-
-
-def scores(logits: torch.Tensor, targets: List[int], top: int) -> List[Tuple[float, List[Tuple[int, float]]]]:
-    """Each target token's logprob under the logits of the position before it, with the `top` likeliest tokens and
-    theirs: `logits` (positions, vocab_size), one position per target (the last position may have none)."""
-    logprobs = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
-    rows = torch.arange(len(targets), device=logits.device)
-    chosen = logprobs[rows, torch.tensor(targets, dtype=torch.long, device=logits.device)].tolist()
-    values, tokens = torch.topk(logprobs, top) if top else (logprobs[:, :0], logprobs[:, :0].long())
-    return [(lp, list(zip(t, v))) for lp, t, v in zip(chosen, tokens.tolist(), values.tolist())]

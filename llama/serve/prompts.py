@@ -64,7 +64,7 @@ def tokenize(request: Union[TokenizePrompt, TokenizeChat], formatter: ChatFormat
 
 
 def answer_format(request: Sampling) -> Optional[dict]:
-    """The `response_format` (as `llama.structured.Grammar.from_response_format` takes it) that a request's answer
+    """The `response_format` (as `llama.decoding.grammar.Grammar.from_response_format` takes it) that a request's answer
     must follow: its own, or, where a chat request's `tool_choice` names a function, a call of that function as
     Llama 3.1 writes one, its arguments following the function's parameters. None: free text."""
     choice = getattr(request, "tool_choice", None)

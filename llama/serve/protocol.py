@@ -1,10 +1,9 @@
 """The protocol: OpenAI's and vLLM's request shapes (the bodies, checked by pydantic: unknown fields are errors; vLLM's
-tokenizer bodies; errors), then the shapes of an answer's parts (its text as tokens arrive, logprobs in chat's and
-the completions' legacy form, tool calls). No HTTP here (`llama.serve.app`), and no conversion of a request into
+tokenizer bodies; errors), then the shapes of an answer's parts (logprobs in chat's and the completions' legacy form,
+tool calls). No HTTP here (`llama.serve.app`), and no conversion of a request into
 prompts (`llama.serve.prompts`).
 """
 
-import codecs
 import json
 from typing import Any, Dict, List, Literal, Optional, Union
 
@@ -12,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.serve.engine import Output
+from llama.text import tool_call_message
 from llama.tokenizer import ROLES as LLAMA_ROLES
 from llama.tokenizer import ChatFormat, Tokenizer
 
@@ -140,7 +140,7 @@ class Sampling(Strict):
     seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    response_format: Optional[ResponseFormat] = None  # decode under a grammar (llama.structured)
+    response_format: Optional[ResponseFormat] = None  # decode under a grammar (llama.decoding.grammar)
     n: int = Field(1, ge=1, le=MAX_N)  # samples of each prompt; they share its prefill (seed s: s, s + 1, ...)
     user: Optional[str] = None
 
@@ -202,51 +202,18 @@ class DetokenizeRequest(Strict):
 
 
 def tool_calls_out(text: str, stop_reason: str, formatter: ChatFormat) -> Optional[List[dict]]:
-    """The calls an answer makes, in OpenAI's shape, or None (Llama 3 tokens, or plain text)."""
-    if formatter.tokenizer.version == "3":
+    """The calls an answer makes (`llama.text.tool_call_message`), in OpenAI's shape, or None."""
+    message = tool_call_message(formatter, text, stop_reason)
+    if message is None:
         return None
-    calls = formatter.decode_assistant_message_from_content(text, stop_reason)["tool_calls"]
     return [
         {
             "id": call["call_id"],
             "type": "function",
             "function": {"name": call["tool_name"], "arguments": json.dumps(call["arguments"])},
         }
-        for call in calls
-    ] or None
-
-
-class AnswerText:
-    """An answer's text as its tokens arrive: whole UTF-8 characters only, cut at the first stop string.
-
-    Text that could be the start of a stop string (the last len(longest stop) - 1 characters) is held back until
-    the next token settles it. A stop string that ends in a token's text begins in that text or in the held-back
-    part, so each token's search covers only those two: linear in the answer's length.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, stops: List[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.keep = max((len(s) for s in stops), default=1) - 1
-        self.held = ""
-        self.stopped = False
-
-    def add(self, token: int) -> str:
-        """Take a token; return the text now safe to send."""
-        return self.settle(self.held + self.decoder.decode(self.tokenizer.decode_bytes([token])), final=False)
-
-    def flush(self) -> str:
-        """The rest of the text, at the end."""
-        return "" if self.stopped else self.settle(self.held + self.decoder.decode(b"", final=True), final=True)
-
-    def settle(self, text: str, final: bool) -> str:
-        found = [at for at in (text.find(stop) for stop in self.stops) if at >= 0]
-        if found:
-            self.held, self.stopped = "", True
-            return text[: min(found)]
-        cut = len(text) if final else max(0, len(text) - self.keep)
-        self.held = text[cut:]
-        return text[:cut]
+        for call in message["tool_calls"]
+    ]
 
 
 def finish_reason(finish: str) -> str:

@@ -11,7 +11,7 @@ nothing for this module.
 import functools
 import importlib.util
 import json
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -109,16 +109,26 @@ class Constraint:
         self.bitmask = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)  # bit t of word t // 32: token t
         self.bits = torch.arange(32, dtype=torch.int32)
 
-    def allowed(self) -> torch.Tensor:
+    def allowed_tokens(self) -> torch.Tensor:
         """(vocab_size,) bool: the tokens the grammar allows next."""
         self.matcher.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.numel() * 4)
         return ((self.bitmask[:, None] >> self.bits) & 1).view(-1)[: self.vocab_size].bool()
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` (vocab_size,) with every token the grammar does not allow next at -inf."""
-        return logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
+        return logits.masked_fill(~self.allowed_tokens().to(logits.device), float("-inf"))
 
     def advance(self, token: int) -> None:
         """Feed the token drawn (a stop token ends the answer and needs no feeding)."""
         if not self.matcher.is_stopped():
             self.matcher.consume_token(token)
+
+
+def constraints_for(
+    response_format: Optional[dict], tokenizer, vocab_size: int, rows: int
+) -> Optional[List[Optional[Constraint]]]:
+    """A grammar's constraint per row for an OpenAI-style `response_format`, or None for free text."""
+    if response_format is None:
+        return None
+    grammar = Grammar.from_response_format(response_format, tokenizer, vocab_size)
+    return None if grammar is None else [grammar.start() for _ in range(rows)]

@@ -1,4 +1,5 @@
-"""Batch decoding: from token-ID prompts to generated tokens, for a model, a tokenizer and a one-token step.
+"""Batch decoding, as Meta's `generate` does it: from token-ID prompts to generated tokens, their logprobs and why
+each row stopped, for a model, a tokenizer and a one-token step. Text is `llama.text`'s.
 
 `BatchDecoder` lays the prompts out in one right-padded table, runs the model over the positions up to the
 shortest prompt's end (from the first position some row's cache does not already hold: prefix reuse), samples each
@@ -6,31 +7,27 @@ next token, and stops each row at a stop token. `Llama` builds one and calls
 it; it needs no `Llama` itself, so it can be driven (and tested) with any model of the same interface.
 """
 
-import codecs
 import itertools
 from dataclasses import dataclass
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from llama.checks import check_sampling, checked_gen_len, token_id_list
+from llama.decoding.grammar import Constraint
+from llama.decoding.next_token import advance_grammars, cut_at_stop, masked_to_grammars, token_logprobs
+from llama.decoding.sampling import sample_next
 from llama.runtime import DecodeStep, RuntimeTransformer
-from llama.sampling import sample_next
-from llama.structured import Constraint
-from llama.tokenizer import StopReason, Tokenizer, ToolCall, stop_reason
+from llama.tokenizer import StopReason, Tokenizer
 
 
 @dataclass
-class StreamChunk:
-    """New text for one prompt of a streaming call."""
+class NewTokens:
+    """What one row of a streamed batch generated since its previous `NewTokens`."""
 
-    index: int  # which prompt or dialog of the batch
-    text: str  # decoded text since this prompt's previous chunk
-    finished: bool = False  # this prompt's last chunk
-    stop_reason: Optional[StopReason] = None  # set on the last chunk
-    n_tokens: int = 0  # tokens generated for this prompt so far
-    tool_calls: Optional[List[ToolCall]] = None  # on a Llama 3.1+ chat answer's last chunk, if it called tools
+    index: int  # which prompt of the batch
+    tokens: List[int]  # the new tokens, none of them a stop token
+    stop_reason: Optional[StopReason] = None  # set on the row's last one
 
 
 @dataclass
@@ -42,10 +39,10 @@ class Batch:
     token_logprobs: Optional[torch.Tensor]  # (bsz, total_len), logprob of each token given those before
     eos_reached: torch.Tensor  # (bsz,)
     cur_pos: int = 0  # positions [0, cur_pos) are final
-    constraints: Optional[List[Optional[Constraint]]] = None  # a grammar per row for its output (llama.structured)
+    constraints: Optional[List[Optional[Constraint]]] = None  # a grammar per row for its output
     reused: int = 0  # positions [0, reused) of every row were already in the KV cache: the model starts after them
 
-    def constrained(self, cur_pos: int) -> List[Tuple[int, Constraint]]:
+    def rows_under_grammar(self, cur_pos: int) -> List[Tuple[int, Constraint]]:
         """(row, constraint) of the rows whose token at `cur_pos` is output under a grammar (past their prompt)."""
         return [
             (row, constraint)
@@ -106,30 +103,27 @@ class BatchDecoder:
 
     def stream(
         self, prompt_tokens: List[List[int]], max_gen_len: int, temperature: float, top_p: float
-    ) -> Iterator[StreamChunk]:
-        """Decode the batch, yielding each row's new text as soon as it is whole UTF-8."""
+    ) -> Iterator[NewTokens]:
+        """Decode the batch, yielding each row's new tokens after every step that gives it some, and each row's stop
+        reason with its last ones (`llama.text.stream_chunks` makes text of them)."""
         batch = self.start(prompt_tokens, max_gen_len, temperature, top_p, logprobs=False)
-        # Tokens can end inside a UTF-8 character; the incremental decoder holds such bytes back.
-        decoders = [codecs.getincrementaldecoder("utf-8")(errors="replace") for _ in prompt_tokens]
-        sent = [0] * len(prompt_tokens)  # generated tokens already decoded, per row
+        sent = [0] * len(prompt_tokens)  # generated tokens already yielded, per row
         finished = [False] * len(prompt_tokens)
         for batch in itertools.chain([batch], self.steps(batch, temperature, top_p)):
             for i, prompt_len in enumerate(batch.prompt_lens):
                 end = min(batch.cur_pos, prompt_len + max_gen_len)
                 if finished[i] or end <= prompt_len:
                     continue
-                new_tokens, reason = self.cut_at_stop(batch.tokens[i, prompt_len + sent[i] : end].tolist())
+                new_tokens, reason = cut_at_stop(self.tokenizer, batch.tokens[i, prompt_len + sent[i] : end].tolist())
                 if reason is None and end == min(batch.tokens.shape[1], prompt_len + max_gen_len):
                     reason = "length"
                 sent[i] += len(new_tokens)
                 finished[i] = reason is not None
-                text = decoders[i].decode(self.tokenizer.decode_bytes(new_tokens), final=finished[i])
-                if text or finished[i]:
-                    yield StreamChunk(i, text, finished[i], reason, n_tokens=sent[i])
+                if new_tokens or finished[i]:
+                    yield NewTokens(i, new_tokens, reason)
         for i in range(len(prompt_tokens)):  # rows that had no room to generate anything
             if not finished[i]:
-                text = decoders[i].decode(b"", final=True)
-                yield StreamChunk(index=i, text=text, finished=True, stop_reason="length", n_tokens=sent[i])
+                yield NewTokens(i, [], "length")
 
     def start(
         self,
@@ -190,12 +184,10 @@ class BatchDecoder:
         stop_tokens = torch.tensor(sorted(self.tokenizer.stop_tokens), dtype=torch.long, device=self.device)
         want_logprobs = batch.token_logprobs is not None
         if batch.cur_pos == total_len and want_logprobs:
-            # No room to generate: the prompts are only scored, token t against the logits of position t - 1.
-            # (Meta's reference scores token t against its own position's logits here, a bug not carried over.)
+            # No room to generate: the prompts are only scored, token t against the logits of position t - 1
+            # (docs/differences.md: the fixed reference bug).
             logits = self.model.forward(tokens, 0)
-            batch.token_logprobs[:, 1:] = -F.cross_entropy(
-                input=logits[:, :-1].transpose(1, 2), target=tokens[:, 1:], reduction="none", ignore_index=pad_id
-            )
+            batch.token_logprobs[:, 1:] = token_logprobs(logits[:, :-1], tokens[:, 1:], pad_id)
         prev_pos = batch.reused
         for cur_pos in range(batch.cur_pos, total_len):
             if self.decode_step is not None and cur_pos - prev_pos == 1:
@@ -205,21 +197,16 @@ class BatchDecoder:
                     self.model.cached.wrote(row, prev_pos, [token])
             else:
                 logits = self.model.forward(tokens[:, prev_pos:cur_pos], prev_pos, last_logits_only=not want_logprobs)
-            constrained = batch.constrained(cur_pos)
-            next_token = sample_next(allowed(logits[:, -1], constrained), temperature, top_p).reshape(-1)
+            under_grammar = batch.rows_under_grammar(cur_pos)
+            next_token = sample_next(masked_to_grammars(logits[:, -1], under_grammar), temperature, top_p).reshape(-1)
             # Rows whose prompt reaches this far keep their prompt token: the others' sample is not theirs.
             next_token = torch.where(is_prompt[:, cur_pos], tokens[:, cur_pos], next_token)
             tokens[:, cur_pos] = next_token
             if want_logprobs:
-                batch.token_logprobs[:, prev_pos + 1 : cur_pos + 1] = -F.cross_entropy(
-                    input=logits.transpose(1, 2),
-                    target=tokens[:, prev_pos + 1 : cur_pos + 1],
-                    reduction="none",
-                    ignore_index=pad_id,
-                )
+                targets = tokens[:, prev_pos + 1 : cur_pos + 1]
+                batch.token_logprobs[:, prev_pos + 1 : cur_pos + 1] = token_logprobs(logits, targets, pad_id)
             batch.eos_reached |= (~is_prompt[:, cur_pos]) & torch.isin(next_token, stop_tokens)
-            for row, constraint in constrained:
-                constraint.advance(int(next_token[row]))
+            advance_grammars(under_grammar, next_token)
             batch.cur_pos = cur_pos + 1
             prev_pos = cur_pos
             yield batch
@@ -230,33 +217,15 @@ class BatchDecoder:
         self, batch: Batch, max_gen_len: int, echo: bool
     ) -> Tuple[List[List[int]], List[Optional[List[float]]], List[StopReason]]:
         """Cut each row to its output: from 0 (echo) or the prompt end, up to max_gen_len, before a stop token."""
-        token_logprobs = batch.token_logprobs.tolist() if batch.token_logprobs is not None else None
+        all_logprobs = batch.token_logprobs.tolist() if batch.token_logprobs is not None else None
         out_tokens, out_logprobs, stop_reasons = [], [], []
         for i, toks in enumerate(batch.tokens.tolist()):
             prompt_len = batch.prompt_lens[i]
             start = 0 if echo else prompt_len
             toks = toks[start : prompt_len + max_gen_len]
-            probs = token_logprobs[i][start : prompt_len + max_gen_len] if token_logprobs else None
-            cut, reason = self.cut_at_stop(toks)
+            probs = all_logprobs[i][start : prompt_len + max_gen_len] if all_logprobs else None
+            cut, reason = cut_at_stop(self.tokenizer, toks)
             out_tokens.append(cut)
             out_logprobs.append(probs[: len(cut)] if probs is not None else None)
             stop_reasons.append(reason or "length")
         return out_tokens, out_logprobs, stop_reasons
-
-    def cut_at_stop(self, tokens: List[int]) -> Tuple[List[int], Optional[StopReason]]:
-        """`tokens` up to the first stop token, and which kind of stop it was (None: no stop token)."""
-        stop_at = [tokens.index(stop) for stop in self.tokenizer.stop_tokens if stop in tokens]
-        if not stop_at:
-            return tokens, None
-        first = min(stop_at)
-        return tokens[:first], stop_reason(self.tokenizer, tokens[first])
-
-
-def allowed(logits: torch.Tensor, constrained: List[Tuple[int, Constraint]]) -> torch.Tensor:
-    """The next-token logits (bsz, vocab_size), those of the `constrained` rows masked to what their grammar allows."""
-    if not constrained:
-        return logits
-    logits = logits.clone()
-    for row, constraint in constrained:
-        logits[row] = constraint.mask(logits[row])
-    return logits
