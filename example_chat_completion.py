@@ -2,7 +2,7 @@ import sys
 from typing import List
 
 from llama import Dialog, Llama
-from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, check_sampling
+from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, check_sampling
 from llama.cli import common
 from llama.cli.chat import run_chat
 

@@ -4,7 +4,7 @@ import sys
 from datetime import datetime, timedelta, timezone
 
 from llama import ChatFormat, Llama
-from llama.checks import DEFAULT_TOP_P, check_sampling
+from llama.arguments import DEFAULT_TOP_P, check_sampling
 from llama.cli import common
 from llama.tools import TOOL_PROMPT_FORMATS, Tool, chat_with_tools, tool_messages
 

@@ -11,8 +11,8 @@ from typing import Iterator, List, Optional, Tuple, TypedDict, Union
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 
+from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.checkpoint import LoadReport, load_checkpoint
-from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.decoding import BatchDecoder, Speed, Stopwatch
 from llama.decoding.grammar import constraints_for
 from llama.runtime import DecodeStep, RuntimeTransformer, compiled_step, for_runtime
@@ -148,6 +148,11 @@ class Llama:
     @property
     def device(self) -> torch.device:
         return self.decoder.device
+
+    @property
+    def decode_step(self) -> Optional[DecodeStep]:
+        """The one-token step decoding runs: compiled, or replayed as CUDA graphs; None: the eager step."""
+        return self.decoder.decode_step
 
     @torch.inference_mode()
     def generate(

@@ -1,5 +1,6 @@
-"""The house stays walkable: a load goes down its steps once, no module of the package grows past a few hundred
-lines, and the README stays short. The load path is measured by benchmarks/load_path.py, which prints it."""
+"""The house stays walkable: folders by concern (a few modules at the top of the package, layers importing only from
+those below them, speed in llama/runtime/ alone), a load that goes down its steps once, no module past a few hundred
+lines, and a short README. The load path is measured by benchmarks/load_path.py, which prints it."""
 
 import ast
 import importlib.util
@@ -13,7 +14,7 @@ BENCHMARK = ROOT / "benchmarks" / "load_path.py"
 MAX_VISITS = 15  # 12, and a cached kernel choice re-checked once (timing, its call, the rank that logs)
 MAX_STEPS_BACK_UP = 3
 MAX_MODULE_LINES = 400
-MAX_LLAMA_CLASS_LINES = 200
+MAX_TOP_LEVEL_MODULES = 10
 MAX_README_LINES = 200
 MAX_SPEED_SECTION_LINES = 25
 
@@ -57,11 +58,14 @@ def test_no_module_of_the_package_is_over_400_lines():
     assert not too_long, f"split these by concern (at most {MAX_MODULE_LINES} lines each): {too_long}"
 
 
-def test_the_llama_class_stays_a_thin_orchestrator():
-    """`Llama` ties loading, the runtime and decoding together; the work itself lives in modules below it."""
+def test_llama_is_one_class_with_no_base_class_of_ours():
+    """`Llama` holds Meta's methods and the stream methods together, as Meta's generation.py does."""
     tree = ast.parse((ROOT / "llama" / "generation.py").read_text())
     llama = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Llama")
-    assert llama.end_lineno - llama.lineno + 1 <= MAX_LLAMA_CLASS_LINES
+    assert not llama.bases, [ast.unparse(base) for base in llama.bases]
+    methods = {n.name for n in llama.body if isinstance(n, ast.FunctionDef)}
+    assert {"build", "generate", "text_completion", "chat_completion"} <= methods
+    assert {"text_completion_stream", "chat_completion_stream"} <= methods
 
 
 def test_the_readme_is_short_and_its_speed_section_shorter():
@@ -145,7 +149,6 @@ def test_only_the_runtime_changes_a_built_model():
     allowed = {
         ROOT / "llama" / "model.py",  # the model's own methods (init_kv_caches) on its own modules
         ROOT / "llama" / "checkpoint" / "load.py",  # builds the model it returns: each quantized layer as it is read
-        ROOT / "llama" / "parallel_layers.py",  # a runtime layer takes over the weight of the fairscale layer it wraps
     }
     found = []
     for path, tree in package_modules():
@@ -166,3 +169,67 @@ def test_only_the_runtime_changes_a_built_model():
                 if isinstance(target, ast.Attribute) and chain[0] != "self" and MODEL_PARTS & set(chain[:-1]):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "\n".join(found)
+
+
+# The folders by concern (docs/internals.md) ------------------------------------------------------------------------
+
+# The modules directly in llama/: the reference's own (model.py, generation.py), the entry points (__init__, __main__,
+# and demo.py and convert.py for `python -m`), and what every concern stands on.
+TOP_LEVEL = {"__init__", "__main__", "model", "generation", "demo", "convert", "arguments", "logs", "distributed"}
+TOP_LEVEL |= {"quantize"}  # the quantization math, which checkpoint code uses without the runtime's layers
+# Each part of the package, lowest first: a module may import from its own part and the parts before it only.
+LAYERS = [
+    {"llama.arguments", "llama.logs", "llama.model", "llama.quantize", "llama.tokenizer"},
+    {"llama.distributed"},
+    {"llama.runtime"},
+    {"llama.checkpoint"},
+    {"llama.decoding"},
+    {"llama.text"},
+    {"llama.generation", "llama.tools"},
+    {"llama.serve", "llama.cli", "llama.demo", "llama.convert", "llama", "llama.__main__"},
+]
+
+
+def part_of(module: str) -> int:
+    """The index in LAYERS of the part `module` (a dotted name) belongs to."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        for index, layer in enumerate(LAYERS):
+            if name in layer:
+                return index
+    raise AssertionError(f"{module} belongs to no part of LAYERS: add it there")
+
+
+def test_few_modules_sit_at_the_top_of_the_package():
+    top = {path.stem for path in (ROOT / "llama").glob("*.py")}
+    assert len(top) <= MAX_TOP_LEVEL_MODULES and top <= TOP_LEVEL, sorted(top - TOP_LEVEL)
+
+
+def test_no_import_from_a_lower_part_of_the_package_to_a_higher_one():
+    modules = {module_name(path): tree for path, tree in package_modules()}
+    upward = []
+    for name, tree in modules.items():
+        if name == "llama":  # the package's lazy exports name every part
+            continue
+        for imported in imported_modules(tree, name):
+            target = imported if imported in modules else imported.rpartition(".")[0]
+            if target in modules and part_of(target) > part_of(name):
+                upward.append(f"{name} imports {imported}")
+    assert not upward, upward
+
+
+def test_layers_with_kernels_of_their_own_live_in_the_runtime():
+    """Every class whose product runs on a kernel chosen at load (a CPU kernel layer, a quantized layer) is the
+    runtime's, and one method says which kernel runs at a row count: `MeasuredLinear.kernel_for`."""
+    outside, kernel_for = [], []
+    for path, tree in package_modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == "kernel_for":
+                kernel_for.append(str(path.relative_to(ROOT)))
+            if isinstance(node, ast.ClassDef) and RUNTIME not in path.parents:
+                bases = {ast.unparse(base).rpartition(".")[2] for base in node.bases}
+                if re.search(r"(CPU|Quantized|Int[48]|Measured)Linear", node.name) or bases & {"MeasuredLinear"}:
+                    outside.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert not outside, outside
+    assert kernel_for == ["llama/runtime/parallel_layers.py"], kernel_for

@@ -1063,9 +1063,9 @@ def test_example_runs_on_a_random_checkpoint(tiny_checkpoint, tokenizer_path):
     assert "User: What is 1234 * 5678" in result.stdout and "> Assistant" in result.stdout
 
 
-def test_readme_round_trip(tok, capsys):
-    readme = (ROOT / "README.md").read_text()
-    code = readme.split("## Tool calling", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+def test_the_documented_loop_round_trip(tok, capsys):
+    guide = (ROOT / "docs" / "tools.md").read_text()
+    code = guide.split("## The loop, written out", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     answers = ['<|python_tag|>{"type": "function", "name": "add", "parameters": {"a": 2.5, "b": 40}}<|eom_id|>',
                "2.5 + 40 is 42.5.<|eot_id|>"]  # fmt: skip
     generator = StandInGenerator(tok, answers)

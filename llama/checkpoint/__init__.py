@@ -25,11 +25,13 @@ from llama.checkpoint.load import (
 )
 from llama.checkpoint.meta import MetaCheckpoint, load_shard
 from llama.checkpoint.params import (
+    GENERATION_CONFIG,
     HF_CONFIG,
     HF_CONFIG_FIELDS,
     META_PARAMS,
     PARAMS_FIELDS,
     checked_int,
+    generation_defaults,
     model_args_from,
     read_json,
     saved_quantization,
@@ -47,6 +49,7 @@ from llama.checkpoint.shards import (
 from llama.checkpoint.write import atomic_output_dir, check_new_output_dir, save_shard, write_meta_checkpoint
 
 __all__ = [
+    "GENERATION_CONFIG",
     "AllocateOnMeta",
     "CheckpointReader",
     "HF_CONFIG",
@@ -64,6 +67,7 @@ __all__ = [
     "checked_int",
     "find_tokenizer",
     "full_shapes",
+    "generation_defaults",
     "hf_config",
     "hf_config_to_params",
     "hf_to_meta_name",

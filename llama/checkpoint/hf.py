@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from llama.arguments import short_repr
 from llama.checkpoint.params import (
     HF_CONFIG,
     HF_CONFIG_FIELDS,
@@ -19,7 +20,6 @@ from llama.checkpoint.params import (
     read_json,
 )
 from llama.checkpoint.shards import CheckpointReader
-from llama.checks import short_repr
 from llama.model import FeedForward
 
 # Hugging Face's rope_scaling fields for the Llama 3.1 rule, fixed by model.apply_scaling (only "factor" varies).

@@ -14,6 +14,7 @@ import torch
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from llama.arguments import short_repr
 from llama.checkpoint.hf import HuggingFaceCheckpoint
 from llama.checkpoint.meta import MetaCheckpoint
 from llama.checkpoint.params import (
@@ -27,7 +28,6 @@ from llama.checkpoint.params import (
 from llama.checkpoint.quantized import layer_from_saved, saved_shapes
 from llama.checkpoint.report import LoadReport, weights_bar
 from llama.checkpoint.shards import CheckpointReader, check_model_parallel_size, rank_weights
-from llama.checks import short_repr
 from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
 from llama.model import ModelArgs, Transformer
 from llama.quantize import check_device, check_scheme, whole_shape

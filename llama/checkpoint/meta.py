@@ -5,9 +5,9 @@ from typing import Dict, Optional
 
 import torch
 
+from llama.arguments import short_repr
 from llama.checkpoint.params import META_PARAMS, PARAMS_FIELDS, PARAMS_REQUIRED, check_fields, read_json
 from llama.checkpoint.shards import IGNORED_KEYS, CheckpointReader, split_dim
-from llama.checks import short_repr
 
 
 class MetaCheckpoint(CheckpointReader):

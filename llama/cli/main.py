@@ -20,7 +20,7 @@ import sys
 from typing import List, Optional
 
 from llama import __version__
-from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.cli.common import check_prompts_fit, ends_on_ctrl_c, fail, rank0_stream, user_errors
 from llama.logs import show_logs
 
@@ -47,13 +47,13 @@ def add_model_flags(parser: argparse.ArgumentParser, max_gen_len: Optional[int])
     parser.add_argument("--tokenizer_path", help="the tokenizer.model file (default: looked for in ckpt_dir)")
     parser.add_argument("--max_seq_len", type=int, default=2048, help="tokens the KV cache holds (default 2048)")
     parser.add_argument("--max_batch_size", type=int, default=1, help="rows of the KV cache (default 1)")
+    shipped = "the checkpoint's generation_config.json, else"
     default = "no limit but max_seq_len" if max_gen_len is None else max_gen_len
-    parser.add_argument("--max_gen_len", type=int, default=max_gen_len, help=f"most new tokens (default {default})")
-    parser.add_argument(
-        "--temperature", type=float, default=DEFAULT_TEMPERATURE, help=f"0 is greedy (default {DEFAULT_TEMPERATURE})"
-    )
-    parser.add_argument(
-        "--top_p", type=float, default=DEFAULT_TOP_P, help=f"nucleus sampling threshold (default {DEFAULT_TOP_P})"
+    parser.add_argument("--max_gen_len", type=int, help=f"most new tokens (default: {shipped} {default})")
+    parser.add_argument("--temperature", type=float, help=f"0 is greedy (default: {shipped} {DEFAULT_TEMPERATURE})")
+    parser.add_argument("--top_p", type=float, help=f"nucleus sampling threshold (default: {shipped} {DEFAULT_TOP_P})")
+    parser.set_defaults(
+        sampling_defaults={"temperature": DEFAULT_TEMPERATURE, "top_p": DEFAULT_TOP_P, "max_gen_len": max_gen_len}
     )
     parser.add_argument("--seed", type=int, default=1, help="seed for sampling (default 1)")
     parser.add_argument("--device", help="cuda, cuda:N, cpu or mps (default: CUDA if present, else the CPU)")
@@ -169,9 +169,15 @@ def run_delegated(command: str, argv: List[str]) -> None:
 
 def load(args: argparse.Namespace, prompts: Optional[List[str]] = None):
     """Check what can be checked without the weights, then build the Llama and say what was loaded (stderr)."""
-    from llama.checks import check_sampling
+    from llama.arguments import check_sampling
+    from llama.checkpoint import generation_defaults
     from llama.generation import Llama
 
+    # A flag left out takes the checkpoint's own default (its generation_config.json), else the command's.
+    shipped = generation_defaults(args.ckpt_dir)
+    for name, default in args.sampling_defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, shipped.get(name, default))
     check_sampling(args.temperature, args.top_p, args.max_gen_len)
     if prompts is not None:
         check_prompts_fit(args.ckpt_dir, args.tokenizer_path, prompts, args.max_seq_len, args.max_batch_size)

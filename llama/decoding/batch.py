@@ -13,7 +13,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from llama.checks import check_sampling, checked_gen_len, token_id_list
+from llama.arguments import check_sampling, checked_gen_len, token_id_list
 from llama.decoding.grammar import Constraint
 from llama.decoding.next_token import advance_grammars, cut_at_stop, masked_to_grammars, token_logprobs
 from llama.decoding.sampling import sample_next

@@ -2,9 +2,8 @@
 (`QuantizedLinear.products`) at the row counts that matter: a decode step's, a batch's, a prompt's; on a GPU for
 every scheme, on the CPU for int8 (PyTorch's kernel, or the weight widened a block at a time for `F.linear`).
 
-Which one is fastest depends on the GPU, the PyTorch build and the weight's shape (on an H100 with PyTorch 2.11,
-PyTorch's int8 kernel was the slowest at every row count, and tinygemm lost to a widened weight beyond a few rows:
-docs/cuda.md), so it is measured, not assumed. The products give the same values up to the order of float32 sums
+Which one is fastest depends on the device, the PyTorch build and the weight's shape (docs/cuda.md has the figures),
+so it is measured, not assumed. The products give the same values up to the order of float32 sums
 and where the widened weight is rounded, so a choice once timed is kept in the kernel cache (`KernelCache`, with the
 CPU's float kernels): every later load on this machine runs the same products and gives the same results.
 """

@@ -18,10 +18,10 @@ from llama.runtime.cpu import (
     attention_kernel,
     choose_kernels,
     copies_fit,
-    cpu_kernels_apply,
     fused_product,
     make_weight_copies,
     row_counts,
+    runs_on_cpu_kernels,
 )
 from llama.runtime.cuda_graphs import CUDAGraphDecodeStep
 from llama.runtime.parallel_layers import InferenceLayer, ParallelEmbedding, ParallelLinear
@@ -40,7 +40,7 @@ def for_runtime(
     with (None: eagerly, `RuntimeTransformer.decode_step` or `forward`). The same weights and math throughout; each
     step keeps the logits of the reference's algorithm, up to the order of float32 sums (tested).
 
-    1. `use_cpu_kernels`: on the CPU (`cpu_kernels_apply`), each fairscale linear layer becomes a `CPULinear`, whose
+    1. `use_cpu_kernels`: on the CPU (`runs_on_cpu_kernels`), each fairscale linear layer becomes a `CPULinear`, whose
        kernel per row count is chosen in step 3.
     2. `RuntimeTransformer`: the runtime modules (`llama.runtime.transformer`): fused products where the CPU runs
        them as one (`FusedQKV`, `FusedW13`), the fixed-shape decode step, per-row positions and cache rows for the
@@ -53,7 +53,7 @@ def for_runtime(
        replayed as CUDA graphs where `cuda_graphs` (`use_cuda_graphs`, `CUDAGraphDecodeStep`).
     """
     # What this CPU's kernels can do for the model, asked before its layers change.
-    on_cpu_kernels = cpu_kernels_apply(model)
+    on_cpu_kernels = runs_on_cpu_kernels(model)
     copies = on_cpu_kernels and copies_fit(model)  # kernels on a second copy of the weights, where memory allows
     one_position = attention_kernel(model.tok_embeddings.weight.dtype) if on_cpu_kernels else None
     if on_cpu_kernels:
@@ -92,7 +92,7 @@ def replace_layers(model: nn.Module, kind, replacement) -> int:
 
 def use_cpu_kernels(model: nn.Module) -> None:
     """Step 1: every fairscale linear layer of `model` becomes a `CPULinear` (on `F.linear` until step 3 chooses);
-    for a model that `llama.runtime.cpu.cpu_kernels_apply` to."""
+    for a model that `llama.runtime.cpu.runs_on_cpu_kernels` to."""
     replace_layers(model, LINEAR, CPULinear)
 
 

@@ -104,7 +104,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
         )
     print(generator.load_report, file=rank0_stream(sys.stderr), flush=True)
     channel = PlanChannel() if dist.is_initialized() and dist.get_world_size() > 1 else None
-    decode_step = generator.decoder.decode_step  # compiled, or CUDA graphs; None: the eager step
+    decode_step = generator.decode_step  # compiled, or CUDA graphs; None: the eager step
     if channel is not None and dist.get_rank() > 0:
         follow_plans(generator.model, decode_step, channel)
         return

@@ -14,7 +14,7 @@ from typing import Literal, Optional
 import blobfile
 import tiktoken
 
-from llama.checks import short_repr, token_id_list
+from llama.arguments import short_repr, token_id_list
 
 logger = getLogger(__name__)
 

@@ -4,7 +4,7 @@ an assistant's answer read back into a message."""
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
-from llama.checks import short_repr
+from llama.arguments import short_repr
 from llama.tokenizer.bpe import Tokenizer
 from llama.tokenizer.messages import ROLES, STOP_REASONS, STOP_TOKEN_REASONS, Dialog, Message, StopReason, ToolCall
 from llama.tokenizer.tool_calls import TOOL_PROMPT_FORMATS, check_tool_call, encode_tool_call, parse_tool_calls

@@ -8,7 +8,7 @@ import uuid
 import warnings
 from typing import Any, Optional
 
-from llama.checks import short_repr
+from llama.arguments import short_repr
 from llama.tokenizer.messages import ToolCall
 
 # The tools Llama 3.1+ was trained to call by name. The first three are called as `name.call(query="...")`, the

@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Sequence, TypedDict, Union
 
-from llama.checks import short_repr
+from llama.arguments import short_repr
 
 
 class _ToolParameterFields(TypedDict):

@@ -5,7 +5,7 @@ import json
 from datetime import date
 from typing import Any, List, Optional, Sequence, Union
 
-from llama.checks import short_repr
+from llama.arguments import short_repr
 from llama.tokenizer import BUILTIN_TOOLS, TOOL_PROMPT_FORMATS, Message
 from llama.tools.definitions import Tool, ToolDefinition, _definitions
 

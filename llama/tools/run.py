@@ -5,7 +5,7 @@ import json
 import math
 from typing import Any, Dict, List, Mapping, Optional, Protocol, Sequence
 
-from llama.checks import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, short_repr
+from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, short_repr
 from llama.tokenizer import Dialog, Message, ToolCall
 from llama.tools.definitions import PARAM_TYPES, Tool, _tool_list
 

@@ -342,7 +342,7 @@ def warn_if_busy(noisy: List[Job], cache: KernelCache) -> None:
         )
 
 
-def cpu_kernels_apply(model: nn.Module) -> bool:
+def runs_on_cpu_kernels(model: nn.Module) -> bool:
     """Whether `model`'s linear layers can run on the kernels measured here (`CPULinear`): on the CPU, in float32 or
     bfloat16, with a torch build that has oneDNN."""
     weight = model.tok_embeddings.weight

@@ -190,8 +190,7 @@ def product_name(layers: Sequence[CPULinear]) -> str:
 def make_weight_copies(model: nn.Module) -> None:
     """Make the copies of `model`'s weights that the chosen kernels run on (`runs_on_a_copy`: fbgemm's float16 ones,
     oneDNN's blocked bfloat16 ones) now, rather than at their first use, where the first prompt would wait for them
-    (1.5 s of a 3 s first prompt at 1B's shape on the AMX Xeon of docs/speed.md): on as many Python threads as torch
-    uses, since fbgemm packs a weight on one core."""
+    (docs/speed.md has how long): on as many Python threads as torch uses, since fbgemm packs a weight on one core."""
     wanted = []
     for owner in product_owners(model):
         layer = layers_of(owner)[0]
