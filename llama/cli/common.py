@@ -134,3 +134,18 @@ def rank0_stream(stream: TextIO) -> TextIO:
 def _devnull() -> TextIO:
     """The null device, opened once, for what the other processes would have shown."""
     return open(os.devnull, "w")
+
+
+# `Llama.build`'s keyword arguments that a command line may carry as flags of the same names.
+BUILD_FLAGS = ("seed", "device", "dtype", "compile", "quantize", "cuda_graphs", "prefix_cache")
+
+
+def build_from_flags(args):
+    """`Llama.build` on a command line's parsed flags (`ckpt_dir`, `tokenizer_path`, `max_seq_len`,
+    `max_batch_size`, and those of `BUILD_FLAGS` it has), then what was loaded said on rank 0's stderr."""
+    from llama.generation import Llama
+
+    options = {name: getattr(args, name) for name in BUILD_FLAGS if hasattr(args, name)}
+    generator = Llama.build(args.ckpt_dir, args.tokenizer_path, args.max_seq_len, args.max_batch_size, **options)
+    print(generator.load_report, file=rank0_stream(sys.stderr), flush=True)
+    return generator

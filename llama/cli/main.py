@@ -21,7 +21,7 @@ from typing import List, Optional
 
 from llama import __version__
 from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from llama.cli.common import check_prompts_fit, ends_on_ctrl_c, fail, rank0_stream, user_errors
+from llama.cli.common import build_from_flags, check_prompts_fit, ends_on_ctrl_c, fail, rank0_stream, user_errors
 from llama.logs import show_logs
 
 PROG = "llama"
@@ -171,7 +171,6 @@ def load(args: argparse.Namespace, prompts: Optional[List[str]] = None):
     """Check what can be checked without the weights, then build the Llama and say what was loaded (stderr)."""
     from llama.arguments import check_sampling
     from llama.checkpoint import generation_defaults
-    from llama.generation import Llama
 
     # A flag left out takes the checkpoint's own default (its generation_config.json), else the command's.
     shipped = generation_defaults(args.ckpt_dir)
@@ -181,21 +180,7 @@ def load(args: argparse.Namespace, prompts: Optional[List[str]] = None):
     check_sampling(args.temperature, args.top_p, args.max_gen_len)
     if prompts is not None:
         check_prompts_fit(args.ckpt_dir, args.tokenizer_path, prompts, args.max_seq_len, args.max_batch_size)
-    generator = Llama.build(
-        args.ckpt_dir,
-        args.tokenizer_path,
-        args.max_seq_len,
-        args.max_batch_size,
-        seed=args.seed,
-        device=args.device,
-        dtype=args.dtype,
-        compile=args.compile,
-        quantize=args.quantize,
-        cuda_graphs=args.cuda_graphs,
-        prefix_cache=args.prefix_cache,
-    )
-    print(generator.load_report, file=rank0_stream(sys.stderr), flush=True)
-    return generator
+    return build_from_flags(args)
 
 
 def chat(args: argparse.Namespace) -> None:

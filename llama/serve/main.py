@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from llama.cli.common import rank0_stream, user_errors
+from llama.cli.common import build_from_flags, user_errors
 
 INSTALL = "pip install 'llama3[serve]' (from a checkout: pip install -e '.[serve]')"
 
@@ -85,24 +85,12 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
     import torch.distributed as dist
     import uvicorn
 
-    from llama import Llama
     from llama.serve.app import Service, create_app
     from llama.serve.engine import Engine
     from llama.serve.engine_plan import PlanChannel, follow_plans
 
     with user_errors(vars(args)):
-        generator = Llama.build(
-            args.ckpt_dir,
-            args.tokenizer_path,
-            args.max_seq_len,
-            args.max_batch_size,
-            device=args.device,
-            dtype=args.dtype,
-            compile=args.compile,
-            quantize=args.quantize,
-            prefix_cache=args.prefix_cache,
-        )
-    print(generator.load_report, file=rank0_stream(sys.stderr), flush=True)
+        generator = build_from_flags(args)
     channel = PlanChannel() if dist.is_initialized() and dist.get_world_size() > 1 else None
     decode_step = generator.decode_step  # compiled, or CUDA graphs; None: the eager step
     if channel is not None and dist.get_rank() > 0:
