@@ -84,7 +84,15 @@ class MeasuredLinear(ParallelLinear):
 
     def __init__(self, layer: nn.Module):
         super().__init__(layer)
-        self.kernels: Dict[int, str] = {}
+        self.kernels = {}
+
+    @property
+    def kernels(self) -> Dict[int, str]:
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, chosen: Dict[int, str]) -> None:
+        self._kernels = dict(sorted(chosen.items()))  # by row count, as `kernel_for` reads them
 
     def default_kernel(self) -> str:
         raise NotImplementedError
@@ -92,7 +100,9 @@ class MeasuredLinear(ParallelLinear):
     def kernel_for(self, rows: int) -> str:
         if not self.kernels:
             return self.default_kernel()
-        return self.kernels[min((count for count in self.kernels if count >= rows), default=max(self.kernels))]
+        return next(
+            (kernel for count, kernel in self.kernels.items() if rows <= count), self.kernels[max(self.kernels)]
+        )
 
 
 class ParallelEmbedding(InferenceLayer):

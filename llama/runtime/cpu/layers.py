@@ -51,7 +51,7 @@ class CPULinear(MeasuredLinear):
             raise ValueError("The 'onednn' kernel needs oneDNN's bfloat16 kernels, which this CPU lacks (no AVX-512)")
         if "fp16" in kernels.values() and not fbgemm_fp16_supported():
             raise ValueError("The 'fp16' kernel needs fbgemm's float16 kernels, which this torch build lacks")
-        self.kernels = dict(sorted(kernels.items()))
+        self.kernels = kernels
         self.packed = {}  # kernel -> (the weight and its version when copied, the copy)
 
     def default_kernel(self) -> str:
@@ -109,8 +109,8 @@ class FusedProduct(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """Each layer's output for `x`, in the layers' order."""
-        kernel = self.layers[0].kernel_for(rows_of(x))
-        if torch.compiler.is_compiling() or not runs_on_a_copy(kernel, self.layers[0].weight.dtype):
+        kernel = "linear" if torch.compiler.is_compiling() else self.layers[0].kernel_for(rows_of(x))
+        if not runs_on_a_copy(kernel, self.layers[0].weight.dtype):  # compiling: torch.compile picks its own kernels
             return tuple(layer(x) for layer in self.layers)
         packed = self.packed_copy(kernel)
         if packed is None:  # float16 cannot hold the weights
