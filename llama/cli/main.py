@@ -173,10 +173,10 @@ def load(args: argparse.Namespace, prompts: Optional[List[str]] = None):
     from llama.checkpoint import generation_defaults
 
     # A flag left out takes the checkpoint's own default (its generation_config.json), else the command's.
-    shipped = generation_defaults(args.ckpt_dir)
+    shipped, flags = generation_defaults(args.ckpt_dir), vars(args)
     for name, default in args.sampling_defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, shipped.get(name, default))
+        if flags[name] is None:
+            flags[name] = shipped.get(name, default)
     check_sampling(args.temperature, args.top_p, args.max_gen_len)
     if prompts is not None:
         check_prompts_fit(args.ckpt_dir, args.tokenizer_path, prompts, args.max_seq_len, args.max_batch_size)
