@@ -37,21 +37,19 @@ def rounding_by_row_count(generator: Llama) -> None:
             layer.kernels = {1: "int8", 256: "widened"}
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16", "int8", "int4"])
-def generator(request, tiny_checkpoint, tokenizer_path, process_group) -> Llama:
-    """The tiny model built with the defaults, in each dtype and quantization, its kernels rounding by row count."""
-    quantize = request.param if request.param.startswith("int") else None
+def tiny_generator(checkpoint, tokenizer_path, dtype, quantize) -> Llama:
+    """The tiny model built with the defaults but `dtype` and `quantize`, its kernels rounding by row count."""
     generator = Llama.build(
-        str(tiny_checkpoint),
-        tokenizer_path,
-        max_seq_len=64,
-        max_batch_size=4,
-        device="cpu",
-        dtype=None if quantize else request.param,
-        quantize=quantize,
+        str(checkpoint), tokenizer_path, max_seq_len=64, max_batch_size=4, device="cpu", dtype=dtype, quantize=quantize
     )
     rounding_by_row_count(generator)
     return generator
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "int8", "int4"])
+def generator(request, tiny_checkpoint, tokenizer_path, process_group) -> Llama:
+    quantize = request.param if request.param.startswith("int") else None
+    return tiny_generator(tiny_checkpoint, tokenizer_path, None if quantize else request.param, quantize)
 
 
 def seeded(call, seed: int = 7):
@@ -91,16 +89,7 @@ def test_a_prompt_gives_what_a_fresh_generator_gives_whatever_ran_before(generat
     seeded(lambda: generator.text_completion([PROMPTS[2] + " far away", PROMPTS[0], PROMPTS[1]], max_gen_len=4))
     after_others = seeded(lambda: generator.text_completion(PROMPTS[2:], max_gen_len=MAX_GEN, logprobs=True))
     report = generator.load_report
-    fresh = Llama.build(
-        str(tiny_checkpoint),
-        tokenizer_path,
-        max_seq_len=64,
-        max_batch_size=4,
-        device="cpu",
-        dtype=report.dtype,
-        quantize=report.quantization,
-    )
-    rounding_by_row_count(fresh)
+    fresh = tiny_generator(tiny_checkpoint, tokenizer_path, report.dtype, report.quantization)
     assert seeded(lambda: fresh.text_completion(PROMPTS[2:], max_gen_len=MAX_GEN, logprobs=True)) == after_others
 
 
