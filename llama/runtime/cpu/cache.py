@@ -9,7 +9,7 @@ import platform
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 import torch
 
@@ -84,12 +84,10 @@ class Measured:
     median: Dict[str, float]
     fp16_copy: Optional[float] = None
     # Whether its rounds disagreed even when timed again (`llama.runtime.cpu.choice.NOISE`): a busy machine's figures,
-    # cached
-    # all the same (with a warning), since a choice once made stays.
+    # cached all the same (with a warning); the next process's first load re-checks them.
     noisy: bool = False
-    # Whether a later load's re-check found these figures still hold
-    # (`llama.runtime.cpu.choice.recheck_cached_timings`): then
-    # no load re-checks them again.
+    # Whether a later load's re-check found these figures still hold (`llama.runtime.cpu.choice.cached_timings_stale`):
+    # then no load re-checks them again.
     confirmed: bool = False
 
     def fastest(self, leave_out: str = "") -> str:
@@ -101,13 +99,14 @@ class KernelCache:
     """What measuring found here (`Measured`), in `$XDG_CACHE_HOME/llama3/kernels.json` (or
     ~/.cache/llama3/kernels.json), keyed by the CPU, its flags (and `instruction_caps`), the torch version, the
     thread count, the product, the rows and the candidates: a later load on the same CPU with the same torch
-    chooses from it without measuring, so that it runs the same kernels and gives the same results.
+    chooses from it without measuring, so that it runs the same kernels and gives the same results (the kernels of
+    a product round its sums in different orders).
 
-    Every measurement is kept, and an entry is never replaced: the kernels of a product could round its sums
-    otherwise, and the same command must give the same tokens on every run. Deleting the file measures again.
-    What a process measured or read also stays in `IN_PROCESS`, so that every load in the process chooses alike
-    even where the file cannot be written. A file that cannot be read, or holds anything else, is ignored (the
-    kernels are measured again and the file rewritten); one that cannot be written is skipped."""
+    Every measurement is kept, a busy machine's too; the one time an entry is replaced is when a later process's
+    first load finds it measured on a busier machine (`llama.runtime.cpu.choice.cached_timings_stale`, `forget`).
+    What a process measured or read stays in `IN_PROCESS`, so that every load in the process chooses alike, even
+    where the file cannot be written. A file that cannot be read, or holds anything else, is ignored (the kernels
+    are measured again and the file rewritten); one that cannot be written is skipped."""
 
     FORMAT = 3
     # Entries measured or read in this process, by cache file: they win over what the file holds now.
@@ -121,6 +120,7 @@ class KernelCache:
         self.seen = self.IN_PROCESS.setdefault(self.path, {})
         self.entries = {**self.read(), **self.seen}
         self.measured = {}
+        self.forgotten = set()
 
     def read(self) -> Dict[str, dict]:
         try:
@@ -164,6 +164,18 @@ class KernelCache:
         self.seen[key] = entry
         return Measured(entry["seconds"], entry["median"], entry.get("fp16_copy"), confirmed="confirmed" in entry)
 
+    def used_in_this_process(self) -> Set[str]:
+        """The keys whose entries a load of this process has measured or read so far."""
+        return set(self.seen)
+
+    def forget(self, keys: List[str]) -> None:
+        """Drop `keys`' entries, which no longer hold on this machine: `save` writes what is measured in their place."""
+        for key in keys:
+            self.entries.pop(key, None)
+            self.measured.pop(key, None)
+            self.seen.pop(key, None)
+        self.forgotten.update(keys)
+
     def put(self, key: str, measured: Measured) -> None:
         entry = {"seconds": measured.seconds, "median": measured.median}
         if measured.fp16_copy is not None:
@@ -174,12 +186,13 @@ class KernelCache:
 
     def save(self) -> None:
         """Write what was measured since this cache was read, with what the file holds now (another process may
-        have added its own), replacing the file in one step."""
-        if not self.measured:
+        have added its own) but the forgotten entries, replacing the file in one step."""
+        if not self.measured and not self.forgotten:
             return
+        kept = {key: entry for key, entry in self.read().items() if key not in self.forgotten}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({"format": self.FORMAT, "measured": {**self.read(), **self.measured}}, indent=1)
+            text = json.dumps({"format": self.FORMAT, "measured": {**kept, **self.measured}}, indent=1)
             with tempfile.NamedTemporaryFile("w", dir=self.path.parent, suffix=".tmp", delete=False) as file:
                 file.write(text)
             os.replace(file.name, self.path)

@@ -40,12 +40,12 @@ PROMPT_SAMPLE_VALUES = 2**20  # a prompt: fewer, since it is bound by arithmetic
 PROMPT_TIMED_ROUNDS = 2  # a prompt's calls are steadier, and each costs some 20 decode calls
 # The rounds disagree when a kernel's fastest round beats the best median round by more than this many times: the
 # machine was busy (another program took the cores for part of the measurement), and may have decided the choice.
-# Such timings are taken once more, and if they still disagree, cached all the same with a warning (docs/speed.md,
-# "A busy machine").
+# Such timings are taken once more, and if they still disagree, cached all the same with a warning, for the next
+# process's first load to re-check (docs/speed.md, "A busy machine").
 NOISE = 1.3
 # At a load that finds its timings cached, the kernels of the largest one-row product are timed again (this many
 # rounds): if another now leads the cached choice, or the choice runs this many times faster than the cache says,
-# the cache was measured on a busier machine, and a warning says how to measure again.
+# the cache was measured on a busier machine, and every product is measured again.
 RECHECK_ROUNDS = 3
 STALE = 1.5
 FLIPPED = 1.2  # by more than this: closer than that, either kernel serves
@@ -216,6 +216,7 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> Dict[CP
     name; each choice is logged."""
     pinned = pinned_kernel()
     cache = KernelCache()
+    settled = cache.used_in_this_process()  # chosen by an earlier load of this process: not re-checked
     start = time.perf_counter()
     all_products = products(model)
     by_name = {}
@@ -241,14 +242,16 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> Dict[CP
                     jobs.append(Job(name, layers, rows, candidates, key))
         if jobs or cached:
             flush = CacheFlush()
-            if cached:
-                recheck_cached_timings(cached, measured, flush, cache)
+            unchecked = [job for job in cached if job.key not in settled]
+            if unchecked and cached_timings_stale(unchecked, measured, flush, cache):
+                cache.forget([job.key for job in cached])
+                jobs += cached
             if jobs:
                 found = measure(jobs, flush)
                 for job in jobs:
                     cache.put(job.key, found[job.key])
                     measured[job.name, job.rows] = found[job.key], "measured" + (", busy" * found[job.key].noisy)
-                warn_if_busy([job for job in jobs if found[job.key].noisy], cache)
+                warn_if_busy([job for job in jobs if found[job.key].noisy])
             del flush
     for name, layers in by_name.items():
         timings = {rows: m for (product, rows), (m, _) in measured.items() if product == name}
@@ -288,36 +291,35 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> Dict[CP
     }
 
 
-def recheck_cached_timings(
+def cached_timings_stale(
     cached: List[Job], measured: Dict[tuple, tuple], flush: Callable[[], object], cache: KernelCache
-) -> None:
-    """Warn where the cached timings of `cached` (their `measured` entries) no longer hold here: the largest one-row
+) -> bool:
+    """Whether the cached timings of `cached` (their `measured` entries) no longer hold here: the largest one-row
     product's kernels, timed again (`RECHECK_ROUNDS`), put another kernel's usual round `FLIPPED` times ahead of the
     cached choice's fastest, or the cached choice's fastest round was `STALE` times its usual round now, so the
-    cache was measured on a busier machine. The cached choice stays (another kernel could change the results); the
-    warning says how to measure again. A re-check whose own rounds disagree (a busy machine now) cannot tell; one
-    that finds the figures hold marks them `confirmed`, and later loads re-check no more."""
+    cache was measured on a busier machine. A re-check whose own rounds disagree (a busy machine now) cannot tell,
+    and keeps the cache; one that finds the figures hold marks them `confirmed`, and later loads re-check no more.
+    Only a process's first use of an entry is re-checked: every load of one process chooses alike."""
     one_row = [job for job in cached if job.rows == 1 and len(measured[job.name, 1][0].median) > 1]
     if not one_row:
-        return
+        return False
     job = max(one_row, key=lambda job: sum(layer.weight.numel() for layer in job.layers))
     before = measured[job.name, 1][0]
     if before.confirmed:
-        return
+        return False
     now = measure([job], flush, RECHECK_ROUNDS)[job.key]
     choice, fastest_now = before.fastest(), now.fastest()
     if now.noisy or choice not in now.median:
-        return  # busy now, or the cached choice cannot run: cannot tell
+        return False  # busy now, or the cached choice cannot run: cannot tell
     # Each side's own spread counts against it: the choice's fastest round must lose to the other's usual one, and
     # the cached fastest round must be slower than the usual one now (noise alone seldom does either).
     flipped = now.seconds[choice] > FLIPPED * now.median[fastest_now]
     busier = before.seconds[choice] > STALE * now.median[choice]
     if flipped or busier:
         logger.warning(
-            "The CPU kernel timings cached in %s look measured on a busier machine (%s, 1 row, ms per million "
-            "weights: %s now %.3g, cached %.3g; %s now %.3g). They stay, so that this load gives the tokens earlier "
-            "loads gave; delete the file to measure again (decoding may get faster, and its results may change in "
-            "the last digits once)",
+            "The CPU kernel timings cached in %s were measured on a busier machine (%s, 1 row, ms per million "
+            "weights: %s now %.3g, cached %.3g; %s now %.3g): measuring every product again. The kernels may change, "
+            "and with them the last digits of the results, this once: later loads keep what is measured now",
             cache.path,
             job.name,
             choice,
@@ -328,17 +330,17 @@ def recheck_cached_timings(
         )
     else:
         cache.put(job.key, dataclasses.replace(before, confirmed=True))
+    return flipped or busier
 
 
-def warn_if_busy(noisy: List[Job], cache: KernelCache) -> None:
+def warn_if_busy(noisy: List[Job]) -> None:
     if noisy:
         logger.warning(
             "The CPU was busy while its kernels were measured (the rounds of %d of them disagreed by more than "
-            "%d%% even when timed again): chosen from those figures and cached, so that later loads give the same "
-            "tokens; delete %s when the machine is quiet to measure again",
+            "%d%% even when timed again): chosen from those figures and cached; the next process's first load "
+            "re-checks them",
             len(noisy),
             round((NOISE - 1) * 100),
-            cache.path,
         )
 
 
