@@ -6,8 +6,7 @@
 For each shape and dtype, in fresh processes on the same checkpoint (bench.py's random weights): `Llama.build`
 with an empty kernel cache (the kernels are measured), then with the cache that load wrote (they are not), `--loads`
 times each, alternating. It prints the load times, the measuring time `llama.runtime.cpu` logs, its share of the cold
-load,
-and each product's kernels. The CPU's name and flags come first: the choice is this CPU's.
+load, and each product's kernels. The CPU's name and flags come first: the choice is this CPU's.
 """
 
 import argparse

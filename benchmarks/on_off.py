@@ -21,11 +21,9 @@ The speed-ups:
   bfloat16 kernels (AVX2). Only the decode steps after a long prompt attend over that many positions here.
 - fp16-call: fbgemm's products called with torch functions of tensor subclasses switched off
   (`llama.runtime.cpu.fp16_products`), which skips a failed `__torch_function__` lookup on the packed weight at each
-  call;
-  only where weights run on float16 copies. Switched off, the op is called as it is elsewhere.
+  call; only where weights run on float16 copies. Switched off, the op is called as it is elsewhere.
 - top-p-head: nucleus sampling ranks only the most likely tokens of each row (`llama.decoding.sampling.nucleus_head`)
-rather
-  than sorting the whole vocabulary; only sampled decoding uses it.
+  rather than sorting the whole vocabulary; only sampled decoding uses it.
 - greedy-numpy: greedy decoding picks the most likely token with numpy's argmax (`llama.decoding.sampling.greedy_pick`)
   rather than torch's.
 

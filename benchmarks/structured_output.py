@@ -5,8 +5,7 @@
     pip install xgrammar outlines-core                           # to measure them beside llguidance
 
 - libraries: for llguidance (what `llama.decoding.grammar` uses) and, where installed, xgrammar and outlines-core, on
-the
-  Llama 3 tokenizer: how many of tests/test_structured.py's 20 schemas each compiles, the median seconds to compile
+  the Llama 3 tokenizer: how many of tests/test_structured.py's 20 schemas each compiles, the median seconds to compile
   one, and the median time to compute one token's mask (following a greedy path over random logits, 40 tokens per
   schema).
 - decode: `Llama.chat_completion` greedy, batch 1, 64 new tokens, with no response_format and with a schema whose

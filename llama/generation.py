@@ -87,8 +87,7 @@ class Llama:
                 dtype then defaults to bfloat16 on the CPU too.
             cuda_graphs: On one CUDA GPU without `compile`, replay each batch size's decode step as a CUDA graph
                 (`llama.runtime.cuda_graphs`): the eager step's logits bit for bit, one launch instead of hundreds.
-                False
-                decodes eagerly, as the reference does.
+                False decodes eagerly, as the reference does.
             prefix_cache: False (the default) runs every prompt from position 0, as the reference does, so the same
                 seed gives the same tokens on every call. True keeps the KV cache between calls and runs only what a
                 prompt adds to what its row holds (a chat's next turn: its new message): faster, the same greedy

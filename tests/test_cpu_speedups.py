@@ -1,6 +1,5 @@
 """The CPU speed-ups keep the reference math: llama.runtime.cpu's linear layers (packed oneDNN weights, float16 copies
-of
-bfloat16 weights and of float32 ones holding bfloat16 values, matrix-vector kernels), fused attention, and
+of bfloat16 weights and of float32 ones holding bfloat16 values, matrix-vector kernels), fused attention, and
 `llama.runtime.parallel_layers` against fairscale's layers, on tiny random weights.
 
 The reference is the same checkpoint run as Meta's code runs it: `F.linear` and attention step by step
@@ -234,8 +233,7 @@ def test_batched_bfloat16_steps_on_packed_weights_follow_weight_edits(process_gr
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_parallel_layers_compute_what_fairscale_layers_do(process_group, tmp_path, dtype):
     """The layers a loaded model runs on (`llama.runtime.parallel_layers`, as on a GPU) give fairscale's logits bit for
-    bit,
-    under the same state-dict keys."""
+    bit, under the same state-dict keys."""
     weights = random_weights(GQA_PARAMS, seed=17)
     model = load_reference(tmp_path / "ckpt", weights, dtype)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(9))

@@ -1,6 +1,5 @@
 """The decode step replayed as CUDA graphs (`llama.runtime.cuda_graphs`): on any machine, its bookkeeping with the
-recording
-stood in for by a replay that reruns the step; on a GPU, the real graphs against the eager step, bit for bit.
+recording stood in for by a replay that reruns the step; on a GPU, the real graphs against the eager step, bit for bit.
 """
 
 import pytest

@@ -174,9 +174,20 @@ def test_only_the_runtime_changes_a_built_model():
 # The folders by concern (docs/internals.md) ------------------------------------------------------------------------
 
 # The modules directly in llama/: the reference's own (model.py, generation.py), the entry points (__init__, __main__,
-# and demo.py and convert.py for `python -m`), and what every concern stands on.
-TOP_LEVEL = {"__init__", "__main__", "model", "generation", "demo", "convert", "arguments", "logs", "distributed"}
-TOP_LEVEL |= {"quantize"}  # the quantization math, which checkpoint code uses without the runtime's layers
+# and demo.py and convert.py for `python -m`), and what every concern stands on (quantize.py: the quantization math,
+# which checkpoint code uses without the runtime's layers).
+TOP_LEVEL = {
+    "__init__",
+    "__main__",
+    "model",
+    "generation",
+    "demo",
+    "convert",
+    "arguments",
+    "logs",
+    "distributed",
+    "quantize",
+}
 # Each part of the package, lowest first: a module may import from its own part and the parts before it only.
 LAYERS = [
     {"llama.arguments", "llama.logs", "llama.model", "llama.quantize", "llama.tokenizer"},

@@ -1,6 +1,5 @@
 """Structured output (`llama.decoding.grammar`): answers decoded under a JSON schema's grammar are valid, even from
-random
-weights, through `Llama.chat_completion(response_format=...)`; a schema that cannot compile is a clear error.
+random weights, through `Llama.chat_completion(response_format=...)`; a schema that cannot compile is a clear error.
 Over HTTP (response_format, a named tool_choice, the openai client's parse): tests/test_serve.py."""
 
 import json

@@ -10,8 +10,7 @@ graph of several processes run it as a functional all-reduce, which the graph in
 compiles to a single graph.
 
 `llama.runtime` uses them on every device (on CPU the linear layers are their subclass `llama.runtime.cpu.CPULinear`).
-In
-eager decoding they also skip the cost of fairscale's autograd.Functions, a few hundred calls per token (figures:
+In eager decoding they also skip the cost of fairscale's autograd.Functions, a few hundred calls per token (figures:
 docs/speed.md).
 """
 

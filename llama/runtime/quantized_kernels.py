@@ -52,7 +52,7 @@ def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Dict[int, str]]:
         if key not in choices:
             pinned = pinned_product(layer)
             choices[key] = {1: pinned} if pinned is not None else measured_choice(layer, cache)
-        layer.kernels = dict(choices[key])
+        layer.kernels = choices[key]  # copied in order by `MeasuredLinear.kernels`
         if isinstance(layer, Int4Linear):
             layer.drop_unused_copies()
     cache.save()
@@ -114,18 +114,20 @@ def product_timings(products: Dict[str, Callable], x: torch.Tensor, repeats: int
     the running. On the CPU, each one's fastest and median of `repeats` rounds (`time_kernels`, the float kernels'
     timer). On CUDA each is timed as a recorded CUDA graph (`gpu_seconds`), as a decode step runs, unless its first
     call took `SCREEN` times the best first call: that call's time is then its figure."""
+    on_cpu = x.device.type == "cpu"
     calls, first = {}, {}
     for name, product in products.items():
         call = lambda product=product: product(x)  # noqa: E731
         try:
-            call()  # a warm-up call (a compiled product compiles)
-            first[name] = timed(call, x.device)
+            call()  # a warm-up call (a compiled product compiles), which also finds whether it runs here
+            if not on_cpu:
+                first[name] = timed(call, x.device)
         except (RuntimeError, NotImplementedError):
             continue
         calls[name] = call
     if not calls:
         raise ValueError(f"None of the products {sorted(products)} runs on {x.device}")
-    if x.device.type == "cpu":
+    if on_cpu:
         (rounds,) = time_kernels([calls], None, repeats)
         return Measured({k: min(r) for k, r in rounds.items()}, {k: statistics.median(r) for k, r in rounds.items()})
     seconds = dict(first)

@@ -112,8 +112,7 @@ def unpack_layers(model: nn.Module) -> None:
 
 def choose_cpu_kernels(model: nn.Module, copies: bool) -> None:
     """Step 3: each product's kernel for each row count that matters (`llama.runtime.cpu.choose_kernels`; kernels on a
-    copy
-    of the weights only where `copies`), then the copies of the weights the chosen kernels run on."""
+    copy of the weights only where `copies`), then the copies of the weights the chosen kernels run on."""
     for layer, kernels in choose_kernels(model, row_counts(model.params.max_batch_size), copies).items():
         layer.kernels = kernels
     make_weight_copies(model)
