@@ -17,7 +17,7 @@ def main(
     max_gen_len: int = None,
     device: str = None,
     dtype: str = None,
-    compile: bool = False,
+    compile: bool = None,
     cuda_graphs: bool = True,
     quantize: str = None,
     interactive: bool = False,
@@ -45,7 +45,8 @@ def main(
         device: "cuda", "cuda:N", "cpu" or "mps"; by default CUDA if there is a GPU, else the CPU.
         dtype: "bfloat16", "float16" or "float32"; by default bfloat16 on CUDA and float32 on the CPU.
         compile: Decode with torch.compile (plus CUDA graphs on CUDA); the first steps are slow while it
-            compiles, so it pays off on CUDA for longer runs.
+            compiles, so it pays off on CUDA for longer runs. By default only quantized weights on one CUDA GPU
+            compile; --nocompile never does.
         cuda_graphs: On one GPU, replay each decode step as a CUDA graph, one launch instead of hundreds (the default;
             the eager step's logits); --nocuda_graphs decodes eagerly.
         interactive: Skip the sample dialogs and chat with the model in the terminal.

@@ -16,7 +16,7 @@ def main(
     max_batch_size: int = 4,
     device: str = None,
     dtype: str = None,
-    compile: bool = False,
+    compile: bool = None,
     cuda_graphs: bool = True,
     quantize: str = None,
 ):
@@ -41,7 +41,8 @@ def main(
         device: "cuda", "cuda:N", "cpu" or "mps"; by default CUDA if there is a GPU, else the CPU.
         dtype: "bfloat16", "float16" or "float32"; by default bfloat16 on CUDA and float32 on the CPU.
         compile: Decode with torch.compile (plus CUDA graphs on CUDA); the first steps are slow while it
-            compiles, so it pays off on CUDA for longer runs.
+            compiles, so it pays off on CUDA for longer runs. By default only quantized weights on one CUDA GPU
+            compile; --nocompile never does.
         cuda_graphs: On one GPU, replay each decode step as a CUDA graph, one launch instead of hundreds (the default;
             the eager step's logits); --nocuda_graphs decodes eagerly.
         quantize: "int8" or "int4": keep the linear layers' weights in 8 or 4 bits, quantized as they load;

@@ -6,6 +6,7 @@ Every process computes the same tokens; the library prints nothing on stdout (it
 ranks' stdout alone (the example scripts silence it).
 """
 
+import atexit
 import logging
 import os
 from datetime import timedelta
@@ -46,7 +47,9 @@ def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
         ValueError: when the requested device is unknown or not available on this machine.
     """
     if device is None:
-        return torch.device("cuda", local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", gpu_index_of_this_process(None))
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -54,10 +57,7 @@ def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("device 'cuda' was requested but CUDA is not available here; use device='cpu'")
-        index = local_rank() if device.index is None else device.index
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"cuda:{index} was requested but only {torch.cuda.device_count()} GPU(s) are visible")
-        return torch.device("cuda", index)
+        return torch.device("cuda", gpu_index_of_this_process(device.index))
     if device.type == "mps":
         if not torch.backends.mps.is_available():
             raise ValueError("device 'mps' was requested but this PyTorch build or machine has no MPS support")
@@ -65,6 +65,26 @@ def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
     if device.type != "cpu":
         raise ValueError(f"Unsupported device {str(device)!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'")
     return device
+
+
+def gpu_index_of_this_process(index: Optional[int]) -> int:
+    """The GPU this process runs on: `index`, or else the process's local rank (torchrun starts one per GPU).
+
+    Raises:
+        ValueError: when that GPU is not visible, naming the fix (fewer processes, or the CPU).
+    """
+    count = torch.cuda.device_count()
+    if index is not None:
+        if index >= count:
+            raise ValueError(f"cuda:{index} was requested but only {count} GPU(s) are visible")
+        return index
+    if local_rank() >= count:
+        raise ValueError(
+            f"This is process {local_rank()} on this node, but only {count} GPU(s) are visible, and each process "
+            f"needs a GPU of its own: start at most {count} (torchrun --nproc_per_node {count}), or run on the "
+            "CPU (device='cpu', --device cpu)"
+        )
+    return local_rank()
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype, None], device: torch.device) -> torch.dtype:
@@ -99,6 +119,8 @@ def init_model_parallel(device: torch.device, model_parallel_size: Optional[int]
             dist.init_process_group(backend, timeout=timeout)
         else:  # plain `python script.py`: a group of one, no rendezvous needed
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        # Ended as the process ends: an NCCL group left to the interpreter's teardown warns on stderr.
+        atexit.register(destroy_process_group)
     world_size = dist.get_world_size()
     if model_parallel_size is None:
         model_parallel_size = world_size
@@ -126,6 +148,12 @@ def init_model_parallel(device: torch.device, model_parallel_size: Optional[int]
             f"not {model_parallel_size}"
         )
     return model_parallel_size
+
+
+def destroy_process_group() -> None:
+    """Destroy the default process group and fairscale's, where they still exist."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def available_memory() -> int:

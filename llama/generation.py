@@ -60,7 +60,7 @@ class Llama:
         dtype: Union[str, torch.dtype, None] = None,
         version: Optional[str] = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
-        compile: bool = False,
+        compile: Optional[bool] = None,
         quantize: Optional[str] = None,
         cuda_graphs: bool = True,
         prefix_cache: bool = False,
@@ -83,6 +83,8 @@ class Llama:
                 checkpoints with scaled RoPE (Llama 3.1 and later), else "3".
             timeout: How long a process waits for the others in a collective before it fails.
             compile: Decode with a compiled step (torch.compile; CUDA graphs on CUDA), see `compile_decode_step`.
+                None (the default) compiles it for quantized weights on one CUDA GPU, where it decodes faster than
+                the graphed step (docs/cuda.md), and nowhere else; False never compiles.
             quantize: "int8" or "int4": the linear layers' weights, quantized as they load (see docs/quantize.md);
                 dtype then defaults to bfloat16 on the CPU too.
             cuda_graphs: On one CUDA GPU without `compile`, replay each batch size's decode step as a CUDA graph

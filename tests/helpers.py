@@ -27,6 +27,12 @@ import torch.nn.functional as F
 TOKENIZER_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"
 
 
+def with_repo(root: Path) -> str:
+    """PYTHONPATH for a child process: the checkout first, then whatever PYTHONPATH already holds (a machine may
+    bring the project's dependencies on it)."""
+    return os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+
+
 def skip_or_fail(reason: str) -> NoReturn:
     """Skips the calling test, or fails it when `$CI` is set, so that CI cannot pass by skipping.
 

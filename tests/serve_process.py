@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import with_repo
 
 
 def free_port() -> int:
@@ -28,7 +29,7 @@ class Server:
         self.log = log
         command = [*launcher, "llama", "serve", str(ckpt), "--port", str(self.port), *flags]  # `llama serve`
         root = Path(__file__).resolve().parents[1]
-        env = dict(os.environ, PYTHONPATH=str(root))
+        env = dict(os.environ, PYTHONPATH=with_repo(root))
         with open(log, "w") as out:
             # SIGINT as a shell's foreground program gets it, even where pytest runs with it ignored (a background job)
             self.process = subprocess.Popen(

@@ -221,7 +221,7 @@ def test_interactive_chat_under_torchrun_with_model_parallelism(tmp_path, tokeni
 
     one, two = make_checkpoint(tmp_path / "mp1", seed=4), make_checkpoint(tmp_path / "mp2", n_shards=2, seed=4)
     script = "Hello there\n/reset\nWhat now?\n/exit\n"
-    options = ("--max_gen_len", "6", "--temperature", "0")
+    options = ("--max_gen_len", "6", "--temperature", "0", "--device", "cpu")  # two ranks: two GPUs or the CPU
     env = dict(os.environ, OMP_NUM_THREADS="1")
     alone = subprocess.run(
         chat_command(one, tokenizer_path, *options), input=script, capture_output=True, text=True, timeout=180, env=env
@@ -255,7 +255,8 @@ def test_ctrl_c_under_torchrun_ends_the_chat_at_once(tmp_path, tokenizer_path):
 
     checkpoint = make_checkpoint(tmp_path / "mp2", n_shards=2, seed=4)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command = torchrun + chat_command(checkpoint, tokenizer_path, "--max_seq_len", "2048", "--max_gen_len", "2000")[1:]
+    flags = ("--max_seq_len", "2048", "--max_gen_len", "2000", "--device", "cpu")  # two ranks: the CPU holds both
+    command = torchrun + chat_command(checkpoint, tokenizer_path, *flags)[1:]
     with in_a_terminal(command, signal.SIG_DFL) as (pid, fd):
         read_until(fd, rb"User: ", 120)
         os.write(fd, b"Tell me everything\n")

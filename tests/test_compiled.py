@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 
 from llama.checkpoint import random_weights
 from llama.model import Transformer
+from llama.runtime.compiled import is_compiled
 from llama.runtime.parallel_layers import ParallelLinear
 from llama.runtime.steps import compiled_decode_step, unpack_layers
 
@@ -91,6 +92,26 @@ def test_cuda_decodes_the_tokens_of_the_cpu(tiny_checkpoint, tokenizer_path, pro
         )
         completions[device] = generator.text_completion(prompts, temperature=0, max_gen_len=16, logprobs=True)
     assert_same_completions(completions["cuda"], completions["cpu"])
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
+)
+def test_only_quantized_weights_on_one_gpu_compile_unasked(tiny_checkpoint, tokenizer_path, process_group, device):
+    """`compile=None`, the default, compiles the decode step for quantized weights on one GPU only (where the
+    compiled step decodes fastest); on the CPU, and for float weights anywhere, nothing compiles unasked (a minute
+    at the first step), and compile=False keeps the decode step uncompiled everywhere."""
+    from llama import Llama
+
+    def decode_step(**options):
+        return Llama.build(
+            str(tiny_checkpoint), tokenizer_path, max_seq_len=32, max_batch_size=1, device=device, **options
+        ).decode_step
+
+    assert is_compiled(decode_step(quantize="int8")) == (device == "cuda")
+    assert not is_compiled(decode_step())
+    assert not is_compiled(decode_step(quantize="int8", compile=False))
+    assert is_compiled(decode_step(compile=True))
 
 
 @pytest.mark.slow

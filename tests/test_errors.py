@@ -12,6 +12,7 @@ from helpers import TINY_PARAMS, make_checkpoint
 
 from llama import Llama, ModelArgs
 from llama.checkpoint import check_model_parallel_size, random_weights, write_meta_checkpoint
+from llama.distributed import resolve_device
 
 BOS = 128000
 
@@ -155,6 +156,20 @@ def test_max_seq_len_with_scaled_rope_goes_to_131072(tmp_path, tokenizer_path, p
 def test_cuda_requested_without_cuda(tiny_checkpoint, tokenizer_path, process_group):
     with pytest.raises(ValueError, match="CUDA"):
         build(tiny_checkpoint, tokenizer_path, device="cuda")
+
+
+def test_more_processes_than_gpus_is_refused_with_the_fix(monkeypatch):
+    """torchrun --nproc_per_node 2 on a machine with one GPU: the second process is told why it has no GPU and what
+    to run instead (not CUDA's "invalid device ordinal" from deep inside torch)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert resolve_device(None) == resolve_device("cuda") == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for device in (None, "cuda"):
+        with pytest.raises(ValueError, match=r"process 1 .* only 1 GPU.*--nproc_per_node 1.*--device cpu"):
+            resolve_device(device)
+    assert resolve_device("cpu") == torch.device("cpu")
 
 
 def test_unknown_device(tiny_checkpoint, tokenizer_path, process_group):

@@ -155,7 +155,7 @@ def test_example_prompts_that_cannot_fit_are_refused_before_the_weights_load(
 @pytest.mark.slow
 def test_the_text_example_prints_what_it_loaded_and_its_speed_on_stdout(tiny_checkpoint, tokenizer_path):
     result = example("example_text_completion.py", "--ckpt_dir", tiny_checkpoint, "--tokenizer_path", tokenizer_path,
-                     "--max_gen_len", "5", "--temperature", "0")  # fmt: skip
+                     "--max_gen_len", "5", "--temperature", "0", "--device", "cpu")  # fmt: skip
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("Loaded in ") and ": Meta checkpoint, device cpu, dtype float32" in lines[0]

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import torch
+from helpers import with_repo
 from torch import nn
 
 import llama.checkpoint.load
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def quiet_env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=with_repo(ROOT))
 
 
 def test_building_on_the_meta_device_leaves_other_threads_alone(process_group):
@@ -96,3 +97,22 @@ def test_fairscale_says_nothing_on_stdout_from_the_python_api(tiny_checkpoint, t
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout == ""
     assert "initializing model parallel with size 1" in result.stderr  # through logging, at INFO
+
+
+def test_the_process_group_ends_before_the_process_does():
+    """A command's process group is destroyed at exit: NCCL warns on stderr about a group left to the interpreter's
+    teardown ("destroy_process_group() was not called"), which would be the last line a user sees after a
+    completion on a GPU. Gloo's group ends the same way, so the CPU shows it."""
+    code = """
+import atexit
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+atexit.register(lambda: print("at exit, initialized:", dist.is_initialized()))  # runs after handlers added later
+from llama.distributed import init_model_parallel
+init_model_parallel(torch.device("cpu"), 1, timedelta(seconds=60))
+print("after init, initialized:", dist.is_initialized())
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=quiet_env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["after init, initialized: True", "at exit, initialized: False"]

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
-from helpers import TINY_PARAMS, make_checkpoint
+from helpers import TINY_PARAMS, make_checkpoint, with_repo
 
 from llama.checkpoint import random_weights, split_dim
 
@@ -78,7 +78,7 @@ def free_port() -> int:
 def worker_env() -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = with_repo(REPO)
     return env
 
 

@@ -59,7 +59,13 @@ def add_model_flags(parser: argparse.ArgumentParser, max_gen_len: Optional[int])
     parser.add_argument("--device", help="cuda, cuda:N, cpu or mps (default: CUDA if present, else the CPU)")
     parser.add_argument("--dtype", help="bfloat16, float16 or float32 (default: by device and checkpoint)")
     parser.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantization as the weights load")
-    parser.add_argument("--compile", action="store_true", help="decode through torch.compile (slow to start)")
+    parser.add_argument(
+        "--compile",
+        action="store_const",
+        const=True,
+        help="decode through torch.compile, slow to start (default: for quantized weights on one CUDA GPU only)",
+    )
+    parser.add_argument("--nocompile", dest="compile", action="store_const", const=False, help="never compile")
     parser.add_argument(
         "--nocuda_graphs", dest="cuda_graphs", action="store_false", help="on one GPU, decode without CUDA graphs"
     )

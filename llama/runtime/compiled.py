@@ -34,6 +34,11 @@ class AnnouncedCompiles:
         return logits
 
 
+def is_compiled(step) -> bool:
+    """Whether `step` (a decoder's decode step, or None) is a compiled one."""
+    return isinstance(step, AnnouncedCompiles)
+
+
 def compile_seconds(step) -> float:
     """Seconds `step` (a decoder's decode step, or None) has spent compiling so far."""
     return getattr(step, "compile_seconds", 0.0)

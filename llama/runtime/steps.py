@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 def for_runtime(
-    model: Transformer, *, compile: bool = False, cuda_graphs: bool = False, model_parallel_size: int = 1
+    model: Transformer, *, compile: Optional[bool] = False, cuda_graphs: bool = False, model_parallel_size: int = 1
 ) -> Tuple[RuntimeTransformer, Optional[DecodeStep]]:
     """The runtime form of a loaded `Transformer` (quantized as it loaded, or not) and the decode step to run it
     with (None: eagerly, `RuntimeTransformer.decode_step` or `forward`). The same weights and math throughout; each
@@ -49,8 +49,9 @@ def for_runtime(
     4. `use_parallel_layers`: every fairscale layer left (all of them off the CPU) becomes `ParallelLinear` or
        `ParallelEmbedding`: the collectives called directly and skipped in one process, traceable by torch.compile.
     5. `choose_quantized_kernels`: on a GPU, each quantized weight's fastest product at each row count, timed.
-    6. The decode step: compiled with torch.compile if asked (`compiled_decode_step`), else on one CUDA GPU
-       replayed as CUDA graphs where `cuda_graphs` (`use_cuda_graphs`, `CUDAGraphDecodeStep`).
+    6. The decode step: compiled with torch.compile if asked (`compiled_decode_step`; `compile=None` asks where
+       `compiles_by_default`), else on one CUDA GPU replayed as CUDA graphs where `cuda_graphs` (`use_cuda_graphs`,
+       `CUDAGraphDecodeStep`).
     """
     # What this CPU's kernels can do for the model, asked before its layers change.
     on_cpu_kernels = runs_on_cpu_kernels(model)
@@ -63,6 +64,9 @@ def for_runtime(
         choose_cpu_kernels(runtime, copies)
     use_parallel_layers(runtime)
     choose_quantized_kernels(runtime)
+    if compile is None and compiles_by_default(runtime, model_parallel_size):
+        logger.info("Quantized weights on CUDA: the decode step will be compiled (compile=False replays CUDA graphs)")
+        compile = True
     if compile:
         return runtime, compiled_step(runtime)
     if use_cuda_graphs(runtime.tok_embeddings.weight.device, model_parallel_size, cuda_graphs):
@@ -74,6 +78,15 @@ def use_cuda_graphs(device: torch.device, model_parallel_size: int, requested: b
     """Whether step 6 decodes through `CUDAGraphDecodeStep`: when asked (`Llama.build`'s default) on a CUDA device in
     one process. Under model parallelism the step holds NCCL all-reduces, which are left to eager launches."""
     return requested and device.type == "cuda" and model_parallel_size == 1
+
+
+def compiles_by_default(model: nn.Module, model_parallel_size: int) -> bool:
+    """Whether step 6 compiles the decode step when the caller leaves it to the runtime (`compile=None`): for
+    quantized weights on one CUDA GPU. There torch.compile widens each int8 or int4 weight inside its product, where
+    the eager products (graphed or not) widen into a copy first or run a kernel made for few rows, and decode
+    slower (docs/cuda.md)."""
+    on_one_gpu = model.tok_embeddings.weight.device.type == "cuda" and model_parallel_size == 1
+    return on_one_gpu and any(is_quantized(layer) for layer in model.modules())
 
 
 def replace_layers(model: nn.Module, kind, replacement) -> int:

@@ -34,7 +34,13 @@ def parse_args(argv: Optional[List[str]], prog: Optional[str] = None) -> argpars
     parser.add_argument("--max_queue", type=int, default=64, help="requests that may wait for a row; then HTTP 429")
     parser.add_argument("--prefill_chunk", type=int, default=512, help="most prompt tokens run in one step")
     parser.add_argument("--quantize", choices=["int8", "int4"], help="quantize the weights as they load")
-    parser.add_argument("--compile", action="store_true", help="decode with a torch.compile'd step")
+    parser.add_argument(
+        "--compile",
+        action="store_const",
+        const=True,
+        help="decode with a torch.compile'd step (default: for quantized weights on one CUDA GPU only)",
+    )
+    parser.add_argument("--nocompile", dest="compile", action="store_const", const=False, help="never compile")
     parser.add_argument(
         "--noprefix_cache",
         dest="prefix_cache",
@@ -85,6 +91,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
     import torch.distributed as dist
     import uvicorn
 
+    from llama.runtime.compiled import is_compiled
     from llama.serve.app import Service, create_app
     from llama.serve.engine import Engine
     from llama.serve.engine_plan import PlanChannel, follow_plans
@@ -102,7 +109,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
         decode_step,
         args.max_queue,
         args.prefill_chunk,
-        fixed_batch=args.compile,
+        fixed_batch=is_compiled(decode_step),
         channel=channel,
         prefix_cache=args.prefix_cache,
     )
