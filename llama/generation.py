@@ -15,6 +15,7 @@ from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.checkpoint import LoadReport, load_checkpoint
 from llama.decoding import BatchDecoder, Speed, Stopwatch
 from llama.decoding.grammar import constraints_for
+from llama.decoding.speculative import DEFAULT_DRAFT_MAX
 from llama.runtime import DecodeStep, RuntimeTransformer, compiled_step, for_runtime
 from llama.text import (
     StreamChunk,
@@ -64,6 +65,8 @@ class Llama:
         quantize: Optional[str] = None,
         cuda_graphs: bool = True,
         prefix_cache: bool = False,
+        draft: Optional[str] = None,
+        draft_max: int = DEFAULT_DRAFT_MAX,
     ) -> "Llama":
         """Load a checkpoint and its tokenizer into a generator, in this process's share of the model.
 
@@ -95,6 +98,12 @@ class Llama:
                 prompt adds to what its row holds (a chat's next turn: its new message): faster, the same greedy
                 tokens in float32, but a prompt run in two pieces rounds otherwise, so in bfloat16 a near-tie may
                 break the other way and a seeded sample may differ from a cold call's (docs/chat.md).
+            draft: "lookup" decodes speculatively, one prompt at a time, guessing the next tokens by prompt lookup
+                (what followed the answer's last few tokens where they appeared before) and checking up to
+                `draft_max` of them in one pass: faster where answers repeat their input, greedy answers the
+                model's own, samples distributed as its own (docs/speed.md). None (the default) decodes a token a
+                step, as the reference does.
+            draft_max: The most guessed tokens checked in one pass.
 
         Returns:
             The generator. It prints nothing: its `load_report` says what was loaded, on which device, in which dtype
@@ -120,7 +129,7 @@ class Llama:
         )
         mp_size = fs_init.get_model_parallel_world_size()
         runtime, decode_step = for_runtime(model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size)
-        generator = Llama(runtime, tokenizer, decode_step, prefix_cache)
+        generator = Llama(runtime, tokenizer, decode_step, prefix_cache, draft, draft_max)
         report.seconds = time.time() - start  # with the runtime's choices
         generator.load_report = report
         return generator
@@ -131,11 +140,13 @@ class Llama:
         tokenizer: Tokenizer,
         decode_step: Optional[DecodeStep] = None,
         prefix_cache: bool = False,
+        draft: Optional[str] = None,
+        draft_max: int = DEFAULT_DRAFT_MAX,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.formatter = ChatFormat(tokenizer)
-        self.decoder = BatchDecoder(model, tokenizer, decode_step, prefix_cache)
+        self.decoder = BatchDecoder(model, tokenizer, decode_step, prefix_cache, draft, draft_max)
 
     def compile_decode_step(self) -> None:
         """From now on, decode one token per row with `Transformer.decode_step` compiled by torch.compile.

@@ -3,7 +3,8 @@ each row stopped, for a model, a tokenizer and a one-token step. Text is `llama.
 
 `BatchDecoder` lays the prompts out in one right-padded table, runs the model over the positions up to the
 shortest prompt's end (from the first position some row's cache does not already hold: prefix reuse), samples each
-next token, and stops each row at a stop token. `Llama` builds one and calls
+next token, and stops each row at a stop token. With a draft (`llama.decoding.speculative`), one prompt at a time
+decodes speculatively: several guessed tokens checked in one pass. `Llama` builds one and calls
 it; it needs no `Llama` itself, so it can be driven (and tested) with any model of the same interface.
 """
 
@@ -17,6 +18,15 @@ from llama.arguments import check_sampling, checked_gen_len, token_id_list
 from llama.decoding.grammar import Constraint
 from llama.decoding.next_token import advance_grammars, cut_at_stop, masked_to_grammars, token_logprobs
 from llama.decoding.sampling import sample_next
+from llama.decoding.speculative import (
+    DEFAULT_DRAFT_MAX,
+    DRAFTS,
+    DraftCounts,
+    DraftLength,
+    PromptLookup,
+    accept_greedy,
+    accept_sampled,
+)
 from llama.runtime import DecodeStep, RuntimeTransformer
 from llama.tokenizer import StopReason, Tokenizer
 
@@ -57,7 +67,10 @@ class BatchDecoder:
 
     With `prefix_cache`, prompt i goes to cache row i, and the positions that every row of the batch already holds
     (`model.cached`: the last call's prompt and output, as far as the new prompt repeats them) are not run again.
-    `last_reused` says how many positions of each row the last call reused."""
+    `last_reused` says how many positions of each row the last call reused.
+
+    With `draft` ("lookup": `PromptLookup`), a batch of one prompt that asks for no logprobs and no grammar decodes
+    speculatively, up to `draft_max` guessed tokens a pass; `last_drafts` counts what that did."""
 
     def __init__(
         self,
@@ -65,12 +78,20 @@ class BatchDecoder:
         tokenizer: Tokenizer,
         decode_step: Optional[DecodeStep] = None,
         prefix_cache: bool = True,
+        draft: Optional[str] = None,
+        draft_max: int = DEFAULT_DRAFT_MAX,
     ):
+        if draft is not None and draft not in DRAFTS:
+            raise ValueError(f"draft={draft!r} is not a proposer; use one of {list(DRAFTS)}, or None")
+        if isinstance(draft_max, bool) or not isinstance(draft_max, int) or draft_max < 1:
+            raise ValueError(f"draft_max must be a whole number >= 1, got {draft_max!r}")
         self.model = model
         self.tokenizer = tokenizer
         self.decode_step = decode_step
         self.prefix_cache = prefix_cache
+        self.draft, self.draft_max = draft, draft_max
         self.last_reused: List[int] = []
+        self.last_drafts = DraftCounts()
 
     @property
     def device(self) -> torch.device:
@@ -175,9 +196,25 @@ class BatchDecoder:
             reused=reused,
         )
 
+    def speculates(self, batch: Batch) -> bool:
+        """Whether `batch` decodes speculatively: with a draft, for one prompt, with room to generate, and neither
+        logprobs nor a grammar asked for (those run a position at a time)."""
+        plain = batch.token_logprobs is not None or any(c is not None for c in batch.constraints or [])
+        return (
+            self.draft is not None
+            and len(batch.prompt_lens) == 1
+            and batch.cur_pos < batch.tokens.shape[1]
+            and not plain
+        )
+
     @torch.inference_mode()
     def steps(self, batch: Batch, temperature: float, top_p: float) -> Iterator[Batch]:
-        """Fill the batch one position at a time, yielding it after each; stops when every row is done."""
+        """Fill the batch one position at a time (or several, speculating), yielding it after each step; stops when
+        every row is done."""
+        self.last_drafts = DraftCounts()
+        if self.speculates(batch):
+            yield from self.speculative_steps(batch, temperature, top_p)
+            return
         tokens, pad_id = batch.tokens, self.tokenizer.pad_id
         total_len = tokens.shape[1]
         is_prompt = tokens != pad_id
@@ -190,13 +227,7 @@ class BatchDecoder:
             batch.token_logprobs[:, 1:] = token_logprobs(logits[:, :-1], tokens[:, 1:], pad_id)
         prev_pos = batch.reused
         for cur_pos in range(batch.cur_pos, total_len):
-            if self.decode_step is not None and cur_pos - prev_pos == 1:
-                position = torch.tensor([prev_pos], device=self.device)
-                logits = self.decode_step(tokens[:, prev_pos:cur_pos], position)
-                for row, token in enumerate(tokens[:, prev_pos].tolist()):  # `forward` records its own writes
-                    self.model.cached.wrote(row, prev_pos, [token])
-            else:
-                logits = self.model.forward(tokens[:, prev_pos:cur_pos], prev_pos, last_logits_only=not want_logprobs)
+            logits = self.run_model(tokens[:, prev_pos:cur_pos], prev_pos, last_logits_only=not want_logprobs)
             under_grammar = batch.rows_under_grammar(cur_pos)
             next_token = sample_next(masked_to_grammars(logits[:, -1], under_grammar), temperature, top_p).reshape(-1)
             # Rows whose prompt reaches this far keep their prompt token: the others' sample is not theirs.
@@ -212,6 +243,61 @@ class BatchDecoder:
             yield batch
             if batch.eos_reached.all():
                 break
+
+    def run_model(self, tokens: torch.Tensor, start_pos: int, last_logits_only: bool) -> torch.Tensor:
+        """The model's logits for `tokens` at positions from `start_pos` on: one position per row through the decode
+        step where there is one, else through `forward`."""
+        if self.decode_step is None or tokens.shape[1] != 1:
+            return self.model.forward(tokens, start_pos, last_logits_only=last_logits_only)
+        logits = self.decode_step(tokens, torch.tensor([start_pos], device=self.device))
+        for row, token in enumerate(tokens[:, 0].tolist()):  # `forward` records its own writes
+            self.model.cached.wrote(row, start_pos, [token])
+        return logits
+
+    def speculative_steps(self, batch: Batch, temperature: float, top_p: float) -> Iterator[Batch]:
+        """`steps` for one prompt with a draft: after the prompt, each pass runs the last token and the guesses
+        after it (`PromptLookup`, as many as `DraftLength` says), keeps the guesses the model agrees with
+        (`accept_greedy`, `accept_sampled`) and the model's own token after them. Yields after each pass.
+
+        A refused guess needs no rollback of the cache: its keys and values are those of the tokens before it, kept,
+        and of itself, so `model.cached` names truly what the row holds; the next pass starts at the first refused
+        position and overwrites from there."""
+        tokens, total_len = batch.tokens, batch.tokens.shape[1]
+        stop_tokens = self.tokenizer.stop_tokens
+        lookup, length, counts = (
+            PromptLookup(tokens[0, : batch.cur_pos].tolist()),
+            DraftLength(self.draft_max),
+            self.last_drafts,
+        )
+        logits = self.model.forward(tokens[:, batch.reused : batch.cur_pos], batch.reused, last_logits_only=True)
+        new = sample_next(logits[:, -1], temperature, top_p).reshape(-1).tolist()
+        while True:
+            stop = next((i for i, token in enumerate(new) if token in stop_tokens), None)
+            new = new if stop is None else new[: stop + 1]
+            cur_pos = batch.cur_pos
+            tokens[0, cur_pos : cur_pos + len(new)] = torch.tensor(new, dtype=torch.long, device=self.device)
+            lookup.extend(new)
+            batch.cur_pos = cur_pos + len(new)
+            batch.eos_reached[0] = stop is not None
+            yield batch
+            if stop is not None or batch.cur_pos == total_len:
+                return
+            # Room for the guesses and the model's token after them: the table ends at total_len.
+            draft = lookup.propose(min(length.next(), total_len - batch.cur_pos - 1))
+            start = batch.cur_pos - 1
+            guessed = torch.tensor([draft], dtype=torch.long, device=self.device)
+            logits = self.run_model(torch.cat([tokens[:, start : start + 1], guessed], dim=1), start, not draft)
+            counts.passes += 1
+            if not draft:
+                new = sample_next(logits[:, -1], temperature, top_p).reshape(-1).tolist()
+                continue
+            if temperature == 0:
+                accepted, token = accept_greedy(logits[0], draft)
+            else:
+                accepted, token = accept_sampled(logits[0], draft, temperature, top_p)
+            counts.proposed, counts.accepted = counts.proposed + len(draft), counts.accepted + accepted
+            length.update(len(draft), accepted)
+            new = draft[:accepted] + [token]
 
     def finish(
         self, batch: Batch, max_gen_len: int, echo: bool

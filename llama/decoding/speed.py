@@ -6,19 +6,32 @@ scripts show its INFO records on stderr; a program using the library sees them o
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from llama.decoding.speculative import DraftCounts
 from llama.runtime.compiled import compile_seconds
 
 
 @dataclass
 class Speed:
     """New tokens generated and the seconds that took, compiling left out, and the prompt tokens whose keys and
-    values were already cached (all rows together)."""
+    values were already cached (all rows together); decoding speculatively, the guessed tokens, those of them
+    kept, and the model's passes after the prompt's (`llama.decoding.speculative.DraftCounts`)."""
 
     tokens: int
     seconds: float
     reused: int = 0
+    drafts: DraftCounts = field(default_factory=DraftCounts)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """The share of guessed tokens the model kept (0 where none was guessed)."""
+        return self.drafts.accepted / max(self.drafts.proposed, 1)
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """New tokens per pass of the model, the prompt's included (1 decoding a token a step)."""
+        return self.tokens / (self.drafts.passes + 1)
 
     @property
     def tokens_per_second(self) -> float:
@@ -26,7 +39,11 @@ class Speed:
 
     def __str__(self) -> str:
         reused = f", {self.reused} prompt tokens reused" if self.reused else ""
-        return f"[{self.tokens} tokens in {self.seconds:.1f} s, {self.tokens_per_second:.1f} tokens/s{reused}]"
+        drafts = ""
+        if self.drafts.proposed:
+            kept = f"{self.drafts.accepted} of {self.drafts.proposed} guessed tokens kept ({self.acceptance_rate:.0%})"
+            drafts = f", {kept}, {self.tokens_per_pass:.2f} tokens a pass"
+        return f"[{self.tokens} tokens in {self.seconds:.1f} s, {self.tokens_per_second:.1f} tokens/s{reused}{drafts}]"
 
 
 class Stopwatch:
@@ -39,4 +56,5 @@ class Stopwatch:
 
     def speed(self, tokens: int) -> Speed:
         compiling = compile_seconds(self.decoder.decode_step) - self.compiled_before
-        return Speed(tokens, time.perf_counter() - self.start - compiling, sum(self.decoder.last_reused))
+        seconds = time.perf_counter() - self.start - compiling
+        return Speed(tokens, seconds, sum(self.decoder.last_reused), self.decoder.last_drafts)

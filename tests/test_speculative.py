@@ -1,0 +1,213 @@
+"""Speculative decoding (`llama.decoding.speculative`, `Llama.build(draft="lookup")`): greedy answers are plain
+decoding's token for token, samples are distributed as the model's own, the KV cache's record of each row stays
+true after refused guesses, and a text that cannot be guessed costs few extra passes.
+
+The mechanics are checked on a model whose next token is a fixed function of the last one (`CyclingModel`: its
+answers repeat, so guesses are kept often and refused where the cycle changes), the answers on the tiny random
+checkpoint in float32.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llama import Llama
+from llama.decoding import BatchDecoder
+from llama.decoding.speculative import DraftLength, PromptLookup, accept_sampled, nucleus
+from llama.runtime.cached_tokens import CachedTokens
+
+VOCAB = 16
+STOP = 15
+
+
+class CyclingModel:
+    """A stand-in for `RuntimeTransformer` whose logits at each position favour `successor(token, position)`,
+    recording its cache writes as `RuntimeTransformer.forward` does. `successor` cycles 1 -> 2 -> ... -> 7 -> 1,
+    except that from position `switch_at` on, 4 goes to 9, then 10, then 1 (a turn no guess from the text so far
+    predicts)."""
+
+    def __init__(self, switch_at: int = 10**9):
+        self.params = SimpleNamespace(max_seq_len=96, max_batch_size=2, vocab_size=VOCAB)
+        self.tok_embeddings = SimpleNamespace(weight=torch.zeros(1))
+        self.cached = CachedTokens(2)
+        self.calls, self.switch_at, self.rows_run = 0, switch_at, []
+
+    def successor(self, token: int, position: int) -> int:
+        if token == 4 and position >= self.switch_at:
+            return 9
+        return {9: 10, 10: 1}.get(token, token % 7 + 1)
+
+    def forward(self, tokens: torch.Tensor, start_pos: int, last_logits_only: bool = False) -> torch.Tensor:
+        self.calls += 1
+        self.rows_run.append(tokens.shape[1])
+        logits = torch.zeros(*tokens.shape, VOCAB)
+        for row, row_tokens in enumerate(tokens.tolist()):
+            self.cached.keep(row, start_pos)
+            self.cached.wrote(row, start_pos, row_tokens)
+            for i, token in enumerate(row_tokens):
+                logits[row, i, self.successor(token, start_pos + i)] = 3.0
+        return logits[:, -1:] if last_logits_only else logits
+
+
+def tokenizer(stop_tokens=(STOP,)):
+    return SimpleNamespace(pad_id=-1, stop_tokens=set(stop_tokens), special_tokens={})
+
+
+def decoded(model, prompt, max_gen_len, draft=None, stop_tokens=(STOP,), temperature=0.0):
+    decoder = BatchDecoder(model, tokenizer(stop_tokens), prefix_cache=False, draft=draft, draft_max=4)
+    tokens, _, reasons = decoder.run([prompt], max_gen_len, temperature, 0.9, logprobs=False, echo=False)
+    return tokens[0], reasons[0], decoder.last_drafts
+
+
+@pytest.mark.parametrize("max_gen_len", [1, 2, 5, 13, 40])
+def test_greedy_answers_are_plain_decoding_s_and_take_fewer_passes(max_gen_len):
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    plain_model, speculative_model = CyclingModel(switch_at=15), CyclingModel(switch_at=15)
+    plain, plain_reason, _ = decoded(plain_model, prompt, max_gen_len)
+    speculative, reason, drafts = decoded(speculative_model, prompt, max_gen_len, draft="lookup")
+    assert (speculative, reason) == (plain, plain_reason) and len(plain) == max_gen_len
+    if max_gen_len >= 13:
+        assert drafts.accepted > 0 and drafts.accepted < drafts.proposed  # kept some guesses, refused others
+        assert speculative_model.calls < plain_model.calls
+
+
+@pytest.mark.parametrize("stop_after", [0, 1, 3, 6])
+def test_a_stop_token_among_kept_guesses_ends_the_answer_there(stop_after):
+    """A stop token the model agrees with inside a run of guesses ends the answer as plain decoding ends it."""
+    prompt = [3, 4, 5, 6, 7, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    stop = prompt[-1] % 7 + 1 + stop_after
+    stop = (stop - 1) % 7 + 1  # the token `stop_after` steps into the answer
+    plain = decoded(CyclingModel(), prompt, 30, stop_tokens=(stop,))
+    speculative = decoded(CyclingModel(), prompt, 30, draft="lookup", stop_tokens=(stop,))
+    assert speculative[:2] == plain[:2] == (plain[0], "end_of_turn")
+    assert len(plain[0]) == stop_after
+
+
+def test_tiny_model_float32_greedy_answers_are_plain_decoding_s(tiny_llama):
+    """The tiny random checkpoint in float32, one prompt at a time and as a batch (which decodes a token a step):
+    the same tokens; guesses are made, some kept, some refused."""
+    speculative = Llama(tiny_llama.model, tiny_llama.tokenizer, draft="lookup", draft_max=5)
+    prompts = ["1, 2, 3, 4, 5, 6", "Hello Hello Hello", "the the the the"]  # answers that repeat a little
+    proposed = accepted = 0
+    for max_gen_len in (3, 40):
+        expected = tiny_llama.text_completion(prompts, temperature=0, max_gen_len=max_gen_len)
+        for prompt, plain in zip(prompts, expected):
+            got = speculative.text_completion([prompt], temperature=0, max_gen_len=max_gen_len)[0]
+            assert got["generation"] == plain["generation"]
+            proposed += speculative.last_speed.drafts.proposed
+            accepted += speculative.last_speed.drafts.accepted
+        batch = speculative.text_completion(prompts, temperature=0, max_gen_len=max_gen_len)
+        assert [c["generation"] for c in batch] == [c["generation"] for c in expected]
+    assert 0 < accepted < proposed
+
+
+def test_a_reused_prefix_after_speculation_holds_the_keys_of_its_tokens(tiny_checkpoint, tokenizer_path):
+    """With the prefix cache on, the next call reuses what the speculative one left in the cache: its answer is a
+    cold model's, so the positions the record claims hold those tokens' keys and values, refused guesses' gone."""
+    warm = Llama.build(
+        str(tiny_checkpoint), tokenizer_path, max_seq_len=64, max_batch_size=1, device="cpu", prefix_cache=True,
+        draft="lookup", draft_max=4,
+    )  # fmt: skip
+    cold = Llama(warm.model, warm.tokenizer)  # no reuse, no speculation: every call from position 0
+    prompt = warm.tokenizer.encode("1, 2, 3, 4, 5, 6", bos=True, eos=False)
+    first, _ = warm.generate([prompt], max_gen_len=30, temperature=0)
+    assert warm.decoder.last_drafts.proposed > warm.decoder.last_drafts.accepted  # some guesses were refused
+    follow_up = prompt + first[0] + warm.tokenizer.encode(" a b c", bos=False, eos=False)
+    reused, _ = warm.generate([follow_up], max_gen_len=12, temperature=0)
+    assert warm.decoder.last_reused[0] == len(prompt) + len(first[0]) - 1
+    expected, _ = cold.generate([follow_up], max_gen_len=12, temperature=0)
+    assert reused == expected
+
+
+def test_after_refused_guesses_the_record_of_the_cache_names_what_it_holds(tiny_llama):
+    """After a speculative answer, each position the row's record names holds the keys and values a cold run of
+    those tokens gives: refused guesses leave nothing the record does not account for."""
+    speculative = Llama(tiny_llama.model, tiny_llama.tokenizer, draft="lookup", draft_max=5)
+    prompt = tiny_llama.tokenizer.encode("the the the the", bos=True, eos=False)
+    answer, _ = speculative.generate([prompt], max_gen_len=40, temperature=0)
+    assert speculative.decoder.last_drafts.proposed > speculative.decoder.last_drafts.accepted
+    held = list(tiny_llama.model.cached[0])
+    assert held[: len(prompt) + len(answer[0]) - 1] == prompt + answer[0][:-1]
+    caches = [layer.attention.kv_cache for layer in tiny_llama.model.layers]
+    warm = [(c.cache_k[0, : len(held)].clone(), c.cache_v[0, : len(held)].clone()) for c in caches]
+    tiny_llama.model.forward(torch.tensor([held]), 0)  # a cold run of the same tokens, from position 0
+    for (keys, values), cache in zip(warm, caches):
+        assert torch.allclose(keys, cache.cache_k[0, : len(held)], atol=1e-5)
+        assert torch.allclose(values, cache.cache_v[0, : len(held)], atol=1e-5)
+
+
+def test_a_seeded_speculative_sample_repeats(tiny_llama):
+    speculative = Llama(tiny_llama.model, tiny_llama.tokenizer, draft="lookup")
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(speculative.text_completion(["Hello Hello Hello"], temperature=0.7, max_gen_len=30)[0])
+    assert runs[0]["generation"] == runs[1]["generation"]
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+@pytest.mark.parametrize("guess", [0, 2, 4])
+def test_a_kept_or_refused_guess_leaves_the_model_s_distribution(temperature, top_p, guess):
+    """The token `accept_sampled` gives at the guessed position, drawn many times, is distributed as the model's
+    own sample there (nucleus at temperature and top_p), whichever token was guessed: total variation under 0.02
+    over 40000 draws (the draws' own spread is about 0.005)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    expected = nucleus(logits[:1], temperature, top_p)[0]
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(5)
+    for _ in range(40000):
+        accepted, token = accept_sampled(logits, [guess], temperature, top_p, generator)
+        counts[guess if accepted else token] += 1
+    total_variation = 0.5 * (counts / counts.sum() - expected).abs().sum()
+    assert total_variation < 0.02, (counts / counts.sum(), expected)
+
+
+def test_nucleus_is_the_distribution_sample_top_p_draws_from():
+    """`nucleus`, which the acceptance rule reads, keeps the tokens `sample_top_p` can draw, in its proportions."""
+    from llama.decoding.sampling import sample_top_p
+
+    logits = torch.tensor([[3.0, 2.5, 1.0, 0.0, -2.0, 0.5]])
+    dist = nucleus(logits, 1.0, 0.75)[0]
+    generator = torch.Generator().manual_seed(1)
+    probs = torch.softmax(logits, dim=-1)
+    draws = torch.cat([sample_top_p(probs, 0.75, generator) for _ in range(20000)]).reshape(-1)
+    counts = torch.bincount(draws, minlength=6).float()
+    assert set(torch.nonzero(dist).reshape(-1).tolist()) == set(torch.nonzero(counts).reshape(-1).tolist())
+    assert 0.5 * (counts / counts.sum() - dist).abs().sum() < 0.02
+
+
+def test_guesses_that_always_fail_cost_few_extra_passes():
+    """A text the proposer cannot guess: after each refused pass the proposer pauses for longer, so over 400 steps
+    fewer than 10% of the passes check a guess (each such pass runs two positions instead of one)."""
+    length = DraftLength(draft_max=8)
+    checked = 0
+    for _ in range(400):
+        proposed = length.next()
+        if proposed:
+            checked += 1
+            length.update(proposed, 0)
+    assert 0 < checked < 40
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    lookup = PromptLookup([5, 6, 7, 8, 5, 6, 9, 1, 5, 6])
+    assert lookup.propose(3) == [9, 1, 5]  # the latest earlier "5 6" (a 2-gram: no earlier "1 5 6"), then on
+    lookup.extend([9])
+    assert lookup.propose(2) == [1, 5]  # "5 6 9" matched as a 3-gram
+    assert PromptLookup([1, 2, 3]).propose(4) == []  # 3 never appeared before
+
+
+@pytest.mark.parametrize("options", [{"draft": "banana"}, {"draft": "lookup", "draft_max": 0}])
+def test_a_bad_draft_is_a_clear_error(tiny_llama, options):
+    with pytest.raises(ValueError, match="draft"):
+        Llama(tiny_llama.model, tiny_llama.tokenizer, **options)
+
+
+def test_streamed_speculative_answer_joins_to_the_plain_one(tiny_llama):
+    speculative = Llama(tiny_llama.model, tiny_llama.tokenizer, draft="lookup")
+    prompt = "1, 2, 3, 4, 5, 6"
+    expected = tiny_llama.text_completion([prompt], temperature=0, max_gen_len=40)[0]["generation"]
+    chunks = list(speculative.text_completion_stream([prompt], temperature=0, max_gen_len=40))
+    assert speculative.decoder.last_drafts.accepted > 0
+    assert "".join(chunk.text for chunk in chunks) == expected
