@@ -4,6 +4,7 @@
 ties them together.
 """
 
+import os
 import time
 from datetime import timedelta
 from typing import Iterator, List, Optional, Tuple, TypedDict, Union
@@ -12,10 +13,10 @@ import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 
 from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from llama.checkpoint import LoadReport, load_checkpoint
+from llama.checkpoint import LoadReport, find_tokenizer, load_checkpoint, model_args_from, open_checkpoint
 from llama.decoding import BatchDecoder, Speed, Stopwatch
 from llama.decoding.grammar import constraints_for
-from llama.decoding.speculative import DEFAULT_DRAFT_MAX
+from llama.decoding.speculative import DEFAULT_DRAFT_MAX, LOOKUP
 from llama.runtime import DecodeStep, RuntimeTransformer, compiled_step, for_runtime
 from llama.text import (
     StreamChunk,
@@ -44,6 +45,26 @@ class ChatPrediction(TypedDict, total=False):
     stop_reason: StopReason  # why the answer ended (not in Meta's ChatPrediction: docs/differences.md)
 
 
+def draft_model(ckpt_dir: str, model: RuntimeTransformer, *load_args) -> RuntimeTransformer:
+    """The draft model of speculative decoding: the checkpoint in `ckpt_dir`, loaded as `load_checkpoint` loads
+    one (`load_args`, with `model`'s tokenizer) and run eagerly on the runtime's modules.
+
+    Raises:
+        ValueError: when its vocabulary is not `model`'s (a draft must share the model's tokenizer).
+    """
+    if not isinstance(ckpt_dir, (str, os.PathLike)):
+        raise ValueError(f"draft must be {LOOKUP!r}, a checkpoint folder or None, got {ckpt_dir!r}")
+    args, _ = model_args_from(open_checkpoint(ckpt_dir).params)
+    if args.vocab_size != model.vocab_size:
+        raise ValueError(
+            f"The draft checkpoint {ckpt_dir} has a vocabulary of {args.vocab_size} tokens and the model "
+            f"{model.vocab_size}: a draft must share the model's tokenizer (Llama 3.2 1B or 3B for Llama 3.x)"
+        )
+    loaded, _, _ = load_checkpoint(ckpt_dir, *load_args)
+    draft, _ = for_runtime(loaded)
+    return draft
+
+
 class Llama:
     load_report: Optional[LoadReport] = None  # what `build` chose and how long it took
     last_speed: Optional[Speed] = None  # of the last `generate`, `text_completion` or `chat_completion` (not streams)
@@ -67,6 +88,7 @@ class Llama:
         prefix_cache: bool = False,
         draft: Optional[str] = None,
         draft_max: int = DEFAULT_DRAFT_MAX,
+        draft_quantize: Optional[str] = None,
     ) -> "Llama":
         """Load a checkpoint and its tokenizer into a generator, in this process's share of the model.
 
@@ -98,12 +120,15 @@ class Llama:
                 prompt adds to what its row holds (a chat's next turn: its new message): faster, the same greedy
                 tokens in float32, but a prompt run in two pieces rounds otherwise, so in bfloat16 a near-tie may
                 break the other way and a seeded sample may differ from a cold call's (docs/chat.md).
-            draft: "lookup" decodes speculatively, one prompt at a time, guessing the next tokens by prompt lookup
-                (what followed the answer's last few tokens where they appeared before) and checking up to
-                `draft_max` of them in one pass: faster where answers repeat their input, greedy answers the
-                model's own, samples distributed as its own (docs/speed.md). None (the default) decodes a token a
-                step, as the reference does.
+            draft: Decode speculatively, one prompt at a time: guess the next tokens and check up to `draft_max`
+                of them in one pass, with greedy answers the model's own and samples distributed as its own
+                (docs/speed.md). "lookup" guesses by prompt lookup (what followed the answer's last few tokens where
+                they appeared before: faster where answers repeat their input); a checkpoint folder is a draft
+                model with the same tokenizer (Llama 3.2 1B for Llama 3.1 8B; or ckpt_dir itself with
+                `draft_quantize`), whose greedy tokens are the guesses. None (the default) decodes a token a step,
+                as the reference does.
             draft_max: The most guessed tokens checked in one pass.
+            draft_quantize: "int8" or "int4": the draft model's weights, quantized as they load.
 
         Returns:
             The generator. It prints nothing: its `load_report` says what was loaded, on which device, in which dtype
@@ -129,6 +154,10 @@ class Llama:
         )
         mp_size = fs_init.get_model_parallel_world_size()
         runtime, decode_step = for_runtime(model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size)
+        if draft is not None and draft != LOOKUP:
+            shared_tokenizer = find_tokenizer(ckpt_dir, tokenizer_path)
+            draft_args = (shared_tokenizer, max_seq_len, 1, mp_size, seed, runtime.tok_embeddings.weight.device)
+            draft = draft_model(draft, runtime, *draft_args, dtype, version, timeout, draft_quantize)
         generator = Llama(runtime, tokenizer, decode_step, prefix_cache, draft, draft_max)
         report.seconds = time.time() - start  # with the runtime's choices
         generator.load_report = report
@@ -140,7 +169,7 @@ class Llama:
         tokenizer: Tokenizer,
         decode_step: Optional[DecodeStep] = None,
         prefix_cache: bool = False,
-        draft: Optional[str] = None,
+        draft: Union[str, RuntimeTransformer, None] = None,
         draft_max: int = DEFAULT_DRAFT_MAX,
     ):
         self.model = model

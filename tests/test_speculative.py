@@ -211,3 +211,38 @@ def test_streamed_speculative_answer_joins_to_the_plain_one(tiny_llama):
     chunks = list(speculative.text_completion_stream([prompt], temperature=0, max_gen_len=40))
     assert speculative.decoder.last_drafts.accepted > 0
     assert "".join(chunk.text for chunk in chunks) == expected
+
+
+@pytest.fixture(scope="module")
+def drafted(tiny_checkpoint, tokenizer_path, process_group):
+    """The tiny checkpoint with itself as its draft model, and with its int4 copy as the draft."""
+    build = dict(max_seq_len=64, max_batch_size=2, device="cpu", draft=str(tiny_checkpoint), draft_max=4)
+    return {
+        "itself": Llama.build(str(tiny_checkpoint), tokenizer_path, **build),
+        "int4": Llama.build(str(tiny_checkpoint), tokenizer_path, draft_quantize="int4", **build),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["itself", "int4"])
+def test_a_draft_model_s_guesses_keep_the_model_s_greedy_answers(drafted, tiny_llama, draft):
+    """A draft model (the checkpoint itself, then its int4 copy) proposes its greedy tokens; the answers are plain
+    decoding's in float32. The checkpoint as its own draft has nearly every guess kept, several tokens a pass."""
+    generator = drafted[draft]
+    prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6", "Once upon a time"]
+    for prompt in prompts:
+        expected = tiny_llama.text_completion([prompt], temperature=0, max_gen_len=40)[0]["generation"]
+        assert generator.text_completion([prompt], temperature=0, max_gen_len=40)[0]["generation"] == expected
+        speed = generator.last_speed
+        assert speed.drafts.proposed > 0
+        if draft == "itself":
+            assert speed.acceptance_rate > 0.9 and speed.tokens_per_pass > 2
+
+
+@pytest.mark.slow
+def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoint, tokenizer_path, process_group, tmp_path):
+    from helpers import TINY_PARAMS, make_checkpoint
+
+    other = make_checkpoint(tmp_path / "other", {**TINY_PARAMS, "vocab_size": TINY_PARAMS["vocab_size"] + 64})
+    with pytest.raises(ValueError, match="vocabulary .* must share the model's tokenizer"):
+        Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=64, device="cpu", draft=str(other))

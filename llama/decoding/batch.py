@@ -10,7 +10,7 @@ it; it needs no `Llama` itself, so it can be driven (and tested) with any model 
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -20,12 +20,12 @@ from llama.decoding.next_token import advance_grammars, cut_at_stop, masked_to_g
 from llama.decoding.sampling import sample_next
 from llama.decoding.speculative import (
     DEFAULT_DRAFT_MAX,
-    DRAFTS,
+    LOOKUP,
     DraftCounts,
     DraftLength,
-    PromptLookup,
     accept_greedy,
     accept_sampled,
+    proposer_for,
 )
 from llama.runtime import DecodeStep, RuntimeTransformer
 from llama.tokenizer import StopReason, Tokenizer
@@ -69,8 +69,9 @@ class BatchDecoder:
     (`model.cached`: the last call's prompt and output, as far as the new prompt repeats them) are not run again.
     `last_reused` says how many positions of each row the last call reused.
 
-    With `draft` ("lookup": `PromptLookup`), a batch of one prompt that asks for no logprobs and no grammar decodes
-    speculatively, up to `draft_max` guessed tokens a pass; `last_drafts` counts what that did."""
+    With `draft` ("lookup": `PromptLookup`; a draft model: `DraftModel`), a batch of one prompt that asks for no
+    logprobs and no grammar decodes speculatively, up to `draft_max` guessed tokens a pass; `last_drafts` counts
+    what that did."""
 
     def __init__(
         self,
@@ -78,11 +79,11 @@ class BatchDecoder:
         tokenizer: Tokenizer,
         decode_step: Optional[DecodeStep] = None,
         prefix_cache: bool = True,
-        draft: Optional[str] = None,
+        draft: Union[str, RuntimeTransformer, None] = None,
         draft_max: int = DEFAULT_DRAFT_MAX,
     ):
-        if draft is not None and draft not in DRAFTS:
-            raise ValueError(f"draft={draft!r} is not a proposer; use one of {list(DRAFTS)}, or None")
+        if isinstance(draft, str) and draft != LOOKUP:
+            raise ValueError(f"draft={draft!r} is not a proposer; use {LOOKUP!r}, a draft model, or None")
         if isinstance(draft_max, bool) or not isinstance(draft_max, int) or draft_max < 1:
             raise ValueError(f"draft_max must be a whole number >= 1, got {draft_max!r}")
         self.model = model
@@ -256,7 +257,7 @@ class BatchDecoder:
 
     def speculative_steps(self, batch: Batch, temperature: float, top_p: float) -> Iterator[Batch]:
         """`steps` for one prompt with a draft: after the prompt, each pass runs the last token and the guesses
-        after it (`PromptLookup`, as many as `DraftLength` says), keeps the guesses the model agrees with
+        after it (`proposer_for` the draft, as many as `DraftLength` says), keeps the guesses the model agrees with
         (`accept_greedy`, `accept_sampled`) and the model's own token after them. Yields after each pass.
 
         A refused guess needs no rollback of the cache: its keys and values are those of the tokens before it, kept,
@@ -264,11 +265,8 @@ class BatchDecoder:
         position and overwrites from there."""
         tokens, total_len = batch.tokens, batch.tokens.shape[1]
         stop_tokens = self.tokenizer.stop_tokens
-        lookup, length, counts = (
-            PromptLookup(tokens[0, : batch.cur_pos].tolist()),
-            DraftLength(self.draft_max),
-            self.last_drafts,
-        )
+        proposer = proposer_for(self.draft, tokens[0, : batch.cur_pos].tolist())
+        length, counts = DraftLength(self.draft_max), self.last_drafts
         logits = self.model.forward(tokens[:, batch.reused : batch.cur_pos], batch.reused, last_logits_only=True)
         new = sample_next(logits[:, -1], temperature, top_p).reshape(-1).tolist()
         while True:
@@ -276,14 +274,14 @@ class BatchDecoder:
             new = new if stop is None else new[: stop + 1]
             cur_pos = batch.cur_pos
             tokens[0, cur_pos : cur_pos + len(new)] = torch.tensor(new, dtype=torch.long, device=self.device)
-            lookup.extend(new)
+            proposer.extend(new)
             batch.cur_pos = cur_pos + len(new)
             batch.eos_reached[0] = stop is not None
             yield batch
             if stop is not None or batch.cur_pos == total_len:
                 return
             # Room for the guesses and the model's token after them: the table ends at total_len.
-            draft = lookup.propose(min(length.next(), total_len - batch.cur_pos - 1))
+            draft = proposer.propose(min(length.next(), total_len - batch.cur_pos - 1))
             start = batch.cur_pos - 1
             guessed = torch.tensor([draft], dtype=torch.long, device=self.device)
             logits = self.run_model(torch.cat([tokens[:, start : start + 1], guessed], dim=1), start, not draft)

