@@ -10,6 +10,7 @@ from typing import Any, Optional
 # The sampling defaults of Meta's `text_completion` and `chat_completion`, used wherever a caller may leave them out.
 DEFAULT_TEMPERATURE = 0.6
 DEFAULT_TOP_P = 0.9
+DEFAULT_DRAFT_MAX = 8  # the most guessed tokens speculative decoding checks in one pass
 
 
 def token_id_list(ids: Sequence[int], vocab_size: int, where: str = "") -> list[int]:

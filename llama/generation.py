@@ -12,11 +12,11 @@ from typing import Iterator, List, Optional, Tuple, TypedDict, Union
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 
-from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.arguments import DEFAULT_DRAFT_MAX, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.checkpoint import LoadReport, find_tokenizer, load_checkpoint, model_args_from, open_checkpoint
 from llama.decoding import BatchDecoder, Speed, Stopwatch
 from llama.decoding.grammar import constraints_for
-from llama.decoding.speculative import DEFAULT_DRAFT_MAX, LOOKUP
+from llama.decoding.speculative import LOOKUP
 from llama.runtime import DecodeStep, RuntimeTransformer, compiled_step, for_runtime
 from llama.text import (
     StreamChunk,
@@ -54,7 +54,10 @@ def draft_model(ckpt_dir: str, model: RuntimeTransformer, *load_args) -> Runtime
     """
     if not isinstance(ckpt_dir, (str, os.PathLike)):
         raise ValueError(f"draft must be {LOOKUP!r}, a checkpoint folder or None, got {ckpt_dir!r}")
-    args, _ = model_args_from(open_checkpoint(ckpt_dir).params)
+    try:
+        args, _ = model_args_from(open_checkpoint(ckpt_dir).params)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"The draft: {e} (a draft is {LOOKUP!r} or a checkpoint folder)") from None
     if args.vocab_size != model.vocab_size:
         raise ValueError(
             f"The draft checkpoint {ckpt_dir} has a vocabulary of {args.vocab_size} tokens and the model "

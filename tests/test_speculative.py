@@ -246,3 +246,30 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoint, tokenizer_p
     other = make_checkpoint(tmp_path / "other", {**TINY_PARAMS, "vocab_size": TINY_PARAMS["vocab_size"] + 64})
     with pytest.raises(ValueError, match="vocabulary .* must share the model's tokenizer"):
         Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=64, device="cpu", draft=str(other))
+
+
+@pytest.mark.slow
+def test_llama_complete_speculates_with_the_same_text_and_says_how_it_went(tiny_checkpoint, tokenizer_path):
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import with_repo
+
+    root = Path(__file__).resolve().parents[1]
+    flags = [str(tiny_checkpoint), "1, 2, 3, 4, 5, 6", "--tokenizer_path", tokenizer_path, "--device", "cpu"]
+    flags += ["--temperature", "0", "--max_gen_len", "40", "--max_seq_len", "64"]
+
+    def complete(*extra):
+        command = [sys.executable, "-m", "llama", "complete", *flags, *extra]
+        env = dict(os.environ, PYTHONPATH=with_repo(root), OMP_NUM_THREADS="1")
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=root)
+
+    plain, speculative = complete(), complete("--draft", "lookup", "--draft-max", "4")
+    assert plain.returncode == speculative.returncode == 0, plain.stderr + speculative.stderr
+    assert speculative.stdout == plain.stdout
+    assert re.search(r", \d+ of \d+ guessed tokens kept \(\d+%\), \d+\.\d\d tokens a pass\]$", speculative.stderr)
+    missing = complete("--draft", str(tiny_checkpoint) + "-nowhere")
+    assert missing.returncode == 2 and missing.stderr.startswith("error: The --draft: ") and "lookup" in missing.stderr

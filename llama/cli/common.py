@@ -137,7 +137,18 @@ def _devnull() -> TextIO:
 
 
 # `Llama.build`'s keyword arguments that a command line may carry as flags of the same names.
-BUILD_FLAGS = ("seed", "device", "dtype", "compile", "quantize", "cuda_graphs", "prefix_cache")
+BUILD_FLAGS = (
+    "seed",
+    "device",
+    "dtype",
+    "compile",
+    "quantize",
+    "cuda_graphs",
+    "prefix_cache",
+    "draft",
+    "draft_max",
+    "draft_quantize",
+)
 
 
 def build_from_flags(args):

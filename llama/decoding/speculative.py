@@ -24,7 +24,6 @@ from llama.runtime import RuntimeTransformer
 # The n-gram lengths prompt lookup matches, longest first: a longer match is more likely to go on alike.
 LOOKUP_NGRAMS = (3, 2, 1)
 LOOKUP = "lookup"  # `Llama.build(draft=...)`'s name for prompt lookup; any other draft is a checkpoint folder
-DEFAULT_DRAFT_MAX = 8
 
 
 class PromptLookup:
