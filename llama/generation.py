@@ -13,7 +13,14 @@ import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 
 from llama.arguments import DEFAULT_DRAFT_MAX, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from llama.checkpoint import LoadReport, find_tokenizer, load_checkpoint, model_args_from, open_checkpoint
+from llama.checkpoint import (
+    LoadReport,
+    checked_int,
+    find_tokenizer,
+    load_checkpoint,
+    model_args_from,
+    open_checkpoint,
+)
 from llama.decoding import BatchDecoder, Speed, Stopwatch
 from llama.decoding.grammar import constraints_for
 from llama.decoding.speculative import LOOKUP
@@ -156,7 +163,11 @@ class Llama:
             quantize,
         )
         mp_size = fs_init.get_model_parallel_world_size()
-        runtime, decode_step = for_runtime(model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size)
+        # A speculative pass runs the last token and up to draft_max guesses: its kernels are chosen for that many.
+        verify_rows = None if draft is None else checked_int("draft_max", draft_max, 1) + 1
+        runtime, decode_step = for_runtime(
+            model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size, verify_rows=verify_rows
+        )
         if draft is not None and draft != LOOKUP:
             shared_tokenizer = find_tokenizer(ckpt_dir, tokenizer_path)
             draft_args = (shared_tokenizer, max_seq_len, 1, mp_size, seed, runtime.tok_embeddings.weight.device)

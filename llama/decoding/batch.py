@@ -15,6 +15,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from llama.arguments import DEFAULT_DRAFT_MAX, check_sampling, checked_gen_len, token_id_list
+from llama.checkpoint import checked_int
 from llama.decoding.grammar import Constraint
 from llama.decoding.next_token import advance_grammars, cut_at_stop, masked_to_grammars, token_logprobs
 from llama.decoding.sampling import sample_next
@@ -83,8 +84,7 @@ class BatchDecoder:
     ):
         if isinstance(draft, str) and draft != LOOKUP:
             raise ValueError(f"draft={draft!r} is not a proposer; use {LOOKUP!r}, a draft model, or None")
-        if isinstance(draft_max, bool) or not isinstance(draft_max, int) or draft_max < 1:
-            raise ValueError(f"draft_max must be a whole number >= 1, got {draft_max!r}")
+        draft_max = checked_int("draft_max", draft_max, 1)
         self.model = model
         self.tokenizer = tokenizer
         self.decode_step = decode_step

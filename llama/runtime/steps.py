@@ -34,7 +34,12 @@ logger = logging.getLogger(__name__)
 
 
 def for_runtime(
-    model: Transformer, *, compile: Optional[bool] = False, cuda_graphs: bool = False, model_parallel_size: int = 1
+    model: Transformer,
+    *,
+    compile: Optional[bool] = False,
+    cuda_graphs: bool = False,
+    model_parallel_size: int = 1,
+    verify_rows: Optional[int] = None,
 ) -> Tuple[RuntimeTransformer, Optional[DecodeStep]]:
     """The runtime form of a loaded `Transformer` (quantized as it loaded, or not) and the decode step to run it
     with (None: eagerly, `RuntimeTransformer.decode_step` or `forward`). The same weights and math throughout; each
@@ -45,7 +50,8 @@ def for_runtime(
     2. `RuntimeTransformer`: the runtime modules (`llama.runtime.transformer`): fused products where the CPU runs
        them as one (`FusedQKV`, `FusedW13`), the fixed-shape decode step, per-row positions and cache rows for the
        engine, and a faster kernel for one new position's attention where the CPU has one.
-    3. `choose_cpu_kernels`: each product's kernels measured (or read from the cache), and the float16 copies made.
+    3. `choose_cpu_kernels`: each product's kernels measured (or read from the cache), and the float16 copies made;
+       with `verify_rows`, also for the rows of a speculative pass, which a prompt's kernel would run at its speed.
     4. `use_parallel_layers`: every fairscale layer left (all of them off the CPU) becomes `ParallelLinear` or
        `ParallelEmbedding`: the collectives called directly and skipped in one process, traceable by torch.compile.
     5. `choose_quantized_kernels`: on a GPU, each quantized weight's fastest product at each row count, timed.
@@ -61,7 +67,7 @@ def for_runtime(
         use_cpu_kernels(model)
     runtime = RuntimeTransformer(model, fused_product if copies else None, one_position)
     if on_cpu_kernels:
-        choose_cpu_kernels(runtime, copies)
+        choose_cpu_kernels(runtime, copies, verify_rows)
     use_parallel_layers(runtime)
     choose_quantized_kernels(runtime)
     if compile is None and compiles_by_default(runtime, model_parallel_size):
@@ -123,10 +129,11 @@ def unpack_layers(model: nn.Module) -> None:
     replace_layers(model, InferenceLayer, InferenceLayer.unpack)
 
 
-def choose_cpu_kernels(model: nn.Module, copies: bool) -> None:
+def choose_cpu_kernels(model: nn.Module, copies: bool, verify_rows: Optional[int] = None) -> None:
     """Step 3: each product's kernel for each row count that matters (`llama.runtime.cpu.choose_kernels`; kernels on a
     copy of the weights only where `copies`), then the copies of the weights the chosen kernels run on."""
-    for layer, kernels in choose_kernels(model, row_counts(model.params.max_batch_size), copies).items():
+    counts = row_counts(model.params.max_batch_size, verify_rows)
+    for layer, kernels in choose_kernels(model, counts, copies).items():
         layer.kernels = kernels
     make_weight_copies(model)
 

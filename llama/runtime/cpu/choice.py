@@ -51,9 +51,11 @@ STALE = 1.5
 FLIPPED = 1.2  # by more than this: closer than that, either kernel serves
 
 
-def row_counts(max_batch_size: int) -> List[int]:
-    """The row counts kernels are chosen for: one row (a decode step of one sequence), the batch, a prompt."""
-    return [1] + ([max_batch_size] if 1 < max_batch_size < PROMPT_ROWS else []) + [PROMPT_ROWS]
+def row_counts(max_batch_size: int, verify_rows: Optional[int] = None) -> List[int]:
+    """The row counts kernels are chosen for: one row (a decode step of one sequence), the batch, the most rows a
+    speculative pass checks (`verify_rows`, where decoding speculates), a prompt."""
+    between = {count for count in (max_batch_size, verify_rows) if count is not None and 1 < count < PROMPT_ROWS}
+    return [1, *sorted(between), PROMPT_ROWS]
 
 
 def weight_sample(layers: List[CPULinear], max_values: int, part: int = 0) -> Optional[List[torch.Tensor]]:
