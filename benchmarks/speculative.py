@@ -81,6 +81,39 @@ def task_rows(model, drafts: dict, tokenizer, runs: int, new_tokens: int, draft_
             )
 
 
+def llama_cpp_rows(threads: int, runs: int, new_tokens: int, draft_max: int) -> None:
+    """llama.cpp on the same GGUF file (its own Q4_1 weights), plain and with its prompt lookup
+    (llama-cpp-python's `LlamaPromptLookupDecoding`), greedy, where `llama_cpp` is importable. Tokens/s include
+    the prompt's evaluation, the same in both."""
+    try:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        print('\nllama.cpp left out: `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python` to compare')
+        return
+    path = str(quant_accuracy.gguf_path())
+    options = dict(n_ctx=1024, n_threads=threads, verbose=False)
+    engines = {
+        "plain": llama_cpp.Llama(path, **options),
+        "lookup": llama_cpp.Llama(path, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft_max), **options),
+    }
+    print(f"\nllama.cpp {llama_cpp.__version__} on the same GGUF (Q4_1), prompt lookup of up to {draft_max} tokens")
+    print("| task | plain tok/s | lookup tok/s | x | same answer |")
+    print("|------|-------------|--------------|---|-------------|")
+    for name, question in TASKS.items():
+        prompt = f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+        rates, texts = {"plain": [], "lookup": []}, {}
+        for _ in range(runs):
+            for label, engine in engines.items():
+                start = time.perf_counter()
+                out = engine.create_completion(prompt, max_tokens=new_tokens, temperature=0.0, stop=["<|im_end|>"])
+                rates[label].append(out["usage"]["completion_tokens"] / (time.perf_counter() - start))
+                texts[label] = out["choices"][0]["text"]
+        p, s = statistics.median(rates["plain"]), statistics.median(rates["lookup"])
+        same = "yes" if texts["plain"] == texts["lookup"] else "NO"
+        print(f"| {name} | {p:.1f} | {s:.1f} | {s / p:.2f} | {same} |", flush=True)
+
+
 def pass_costs(dtype: torch.dtype, repeats: int = 5):
     """One forward pass of k + 1 positions at position 128 against one of a single position, at the 1B shape."""
     import cuda_quantized
@@ -136,6 +169,7 @@ def main() -> None:
         drafts["its int4 copy"] = for_runtime(int4)[0]
     print(f"SmolLM2-135M-Instruct, {opts.dtype}, {opts.threads} threads, greedy, batch 1, {opts.new_tokens} new tokens")
     task_rows(model, drafts, tokenizer, opts.runs, opts.new_tokens, opts.draft_max)
+    llama_cpp_rows(opts.threads, opts.runs, opts.new_tokens, opts.draft_max)
     if not opts.skip_1b:
         print(f"\nLlama 3.2 1B's shape, random weights, {opts.dtype}")
         pass_costs(dtype)
