@@ -52,22 +52,35 @@ class ChatPrediction(TypedDict, total=False):
     stop_reason: StopReason  # why the answer ended (not in Meta's ChatPrediction: docs/differences.md)
 
 
-def draft_model(ckpt_dir: str, model: RuntimeTransformer, *load_args) -> RuntimeTransformer:
-    """The draft model of speculative decoding: the checkpoint in `ckpt_dir`, loaded as `load_checkpoint` loads
-    one (`load_args`, with `model`'s tokenizer) and run eagerly on the runtime's modules.
+def draft_vocabulary(draft) -> Optional[int]:
+    """The vocabulary size of a draft checkpoint folder (None for no draft, or prompt lookup), read from its params
+    before anything loads, so that a wrong draft fails first.
+
+    Raises:
+        ValueError: for a draft that is neither a folder nor "lookup".
+        FileNotFoundError: for a folder that holds no checkpoint.
+    """
+    if draft is None or draft == LOOKUP:
+        return None
+    if not isinstance(draft, (str, os.PathLike)):
+        raise ValueError(f"draft must be {LOOKUP!r}, a checkpoint folder or None, got {draft!r}")
+    try:
+        args, _ = model_args_from(open_checkpoint(draft).params)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"The draft: {e} (a draft is {LOOKUP!r} or a checkpoint folder)") from None
+    return args.vocab_size
+
+
+def draft_model(ckpt_dir: str, vocab_size: int, model: RuntimeTransformer, *load_args) -> RuntimeTransformer:
+    """The draft model of speculative decoding: the checkpoint in `ckpt_dir` (of `vocab_size` tokens), loaded as
+    `load_checkpoint` loads one (`load_args`, with `model`'s tokenizer) and run eagerly on the runtime's modules.
 
     Raises:
         ValueError: when its vocabulary is not `model`'s (a draft must share the model's tokenizer).
     """
-    if not isinstance(ckpt_dir, (str, os.PathLike)):
-        raise ValueError(f"draft must be {LOOKUP!r}, a checkpoint folder or None, got {ckpt_dir!r}")
-    try:
-        args, _ = model_args_from(open_checkpoint(ckpt_dir).params)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"The draft: {e} (a draft is {LOOKUP!r} or a checkpoint folder)") from None
-    if args.vocab_size != model.vocab_size:
+    if vocab_size != model.vocab_size:
         raise ValueError(
-            f"The draft checkpoint {ckpt_dir} has a vocabulary of {args.vocab_size} tokens and the model "
+            f"The draft checkpoint {ckpt_dir} has a vocabulary of {vocab_size} tokens and the model "
             f"{model.vocab_size}: a draft must share the model's tokenizer (Llama 3.2 1B or 3B for Llama 3.x)"
         )
     loaded, _, _ = load_checkpoint(ckpt_dir, *load_args)
@@ -149,6 +162,9 @@ class Llama:
             ValueError: for arguments or checkpoints that cannot work together; the message says which.
         """
         start = time.time()
+        # A speculative pass runs the last token and up to draft_max guesses: its kernels are chosen for that many.
+        verify_rows = None if draft is None else checked_int("draft_max", draft_max, 1) + 1
+        draft_vocab = draft_vocabulary(draft)
         model, tokenizer, report = load_checkpoint(
             ckpt_dir,
             tokenizer_path,
@@ -163,15 +179,13 @@ class Llama:
             quantize,
         )
         mp_size = fs_init.get_model_parallel_world_size()
-        # A speculative pass runs the last token and up to draft_max guesses: its kernels are chosen for that many.
-        verify_rows = None if draft is None else checked_int("draft_max", draft_max, 1) + 1
         runtime, decode_step = for_runtime(
             model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size, verify_rows=verify_rows
         )
-        if draft is not None and draft != LOOKUP:
+        if draft_vocab is not None:
             shared_tokenizer = find_tokenizer(ckpt_dir, tokenizer_path)
             draft_args = (shared_tokenizer, max_seq_len, 1, mp_size, seed, runtime.tok_embeddings.weight.device)
-            draft = draft_model(draft, runtime, *draft_args, dtype, version, timeout, draft_quantize)
+            draft = draft_model(draft, draft_vocab, runtime, *draft_args, dtype, version, timeout, draft_quantize)
         generator = Llama(runtime, tokenizer, decode_step, prefix_cache, draft, draft_max)
         report.seconds = time.time() - start  # with the runtime's choices
         generator.load_report = report

@@ -16,6 +16,7 @@ import llama.checkpoint.report
 from llama.checkpoint import check_kv_cache_fits
 from llama.checkpoint.report import weights_bar
 from llama.cli import common, demo
+from llama.decoding.speculative import DraftCounts
 from llama.decoding.speed import Stopwatch
 from llama.model import ModelArgs
 from llama.quantize import check_scheme
@@ -59,7 +60,8 @@ def test_compiling_is_announced_once_per_batch_size_and_left_out_of_the_speed(ca
             compiled.add(tokens.shape[0])
         return tokens
 
-    decoder = type("Decoder", (), {"decode_step": AnnouncedCompiles(step), "last_reused": []})()
+    stub = {"decode_step": AnnouncedCompiles(step), "last_reused": [], "last_drafts": DraftCounts()}
+    decoder = type("Decoder", (), stub)()
     stopwatch = Stopwatch(decoder)
     for bsz in (1, 1, 4, 1):
         decoder.decode_step(torch.zeros(bsz, 1), torch.tensor([0]))
