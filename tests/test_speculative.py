@@ -146,21 +146,21 @@ def test_a_seeded_speculative_sample_repeats(tiny_llama):
     assert runs[0]["generation"] == runs[1]["generation"]
 
 
-@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
-@pytest.mark.parametrize("guess", [0, 2, 4])
+@pytest.mark.parametrize("temperature, top_p, guess", [(1.0, 1.0, 0), (1.0, 1.0, 4), (0.7, 0.8, 1), (0.7, 0.8, 3)])
 def test_a_kept_or_refused_guess_leaves_the_model_s_distribution(temperature, top_p, guess):
     """The token `accept_sampled` gives at the guessed position, drawn many times, is distributed as the model's
-    own sample there (nucleus at temperature and top_p), whichever token was guessed: total variation under 0.02
-    over 40000 draws (the draws' own spread is about 0.005)."""
+    own sample there (nucleus at temperature and top_p), whichever token was guessed, in the nucleus or out of it:
+    total variation under 0.03 over 20000 draws (the draws' own spread is about 0.008; a rule that may draw a
+    refused guess again is 0.16 to 0.25 off where the guess is likely)."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
     expected = nucleus(logits[:1], temperature, top_p)[0]
     generator = torch.Generator().manual_seed(0)
     counts = torch.zeros(5)
-    for _ in range(40000):
+    for _ in range(20000):
         accepted, token = accept_sampled(logits, [guess], temperature, top_p, generator)
         counts[guess if accepted else token] += 1
     total_variation = 0.5 * (counts / counts.sum() - expected).abs().sum()
-    assert total_variation < 0.02, (counts / counts.sum(), expected)
+    assert total_variation < 0.03, (counts / counts.sum(), expected)
 
 
 def test_nucleus_is_the_distribution_sample_top_p_draws_from():
