@@ -163,6 +163,16 @@ def test_a_kept_or_refused_guess_leaves_the_model_s_distribution(temperature, to
     assert total_variation < 0.03, (counts / counts.sum(), expected)
 
 
+def test_a_vanishing_temperature_speculates_as_greedy_decoding(tiny_llama):
+    """At a temperature so small that the softmax overflows, plain decoding takes the greedy tokens (its limit);
+    so does speculative decoding, rather than failing in the draw."""
+    speculative = Llama(tiny_llama.model, tiny_llama.tokenizer, draft="lookup")
+    prompt = ["1, 2, 3, 4, 5, 6"]
+    greedy = tiny_llama.text_completion(prompt, temperature=0, max_gen_len=30)[0]["generation"]
+    assert speculative.text_completion(prompt, temperature=1e-300, max_gen_len=30)[0]["generation"] == greedy
+    assert speculative.last_speed.drafts.proposed > 0
+
+
 def test_nucleus_is_the_distribution_sample_top_p_draws_from():
     """`nucleus`, which the acceptance rule reads, keeps the tokens `sample_top_p` can draw, in its proportions."""
     from llama.decoding.sampling import sample_top_p

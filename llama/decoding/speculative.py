@@ -123,8 +123,11 @@ def accept_sampled(
     """`accept_greedy` for sampling at `temperature` and `top_p`: each guess d in turn is kept with probability
     p(d) under the model's distribution p there; at the first refused one, the token is drawn from p with d taken
     out; after every guess is kept, from the next p. Each token is then distributed as the model's own sample.
-    The draws come from `generator` (default: torch's global one), so a seeded run repeats."""
+    The draws come from `generator` (default: torch's global one), so a seeded run repeats. A temperature so small
+    that the softmax overflows gives the greedy tokens, its limit, as `sample_next` does."""
     dists = nucleus(logits, temperature, top_p)
+    if bool(torch.isnan(dists).any()):
+        return accept_greedy(logits, draft)
     for i, guess in enumerate(draft):
         if float(torch.rand((), generator=generator)) < float(dists[i, guess]):
             continue
