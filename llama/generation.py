@@ -165,6 +165,8 @@ class Llama:
         # A speculative pass runs the last token and up to draft_max guesses: its kernels are chosen for that many.
         verify_rows = None if draft is None else checked_int("draft_max", draft_max, 1) + 1
         draft_vocab = draft_vocabulary(draft)
+        if draft_quantize is not None and draft_vocab is None:
+            raise ValueError("draft_quantize quantizes a draft model: give its checkpoint folder as draft")
         model, tokenizer, report = load_checkpoint(
             ckpt_dir,
             tokenizer_path,

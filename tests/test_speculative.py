@@ -214,6 +214,12 @@ def test_a_bad_draft_is_a_clear_error(tiny_llama, options):
         Llama(tiny_llama.model, tiny_llama.tokenizer, **options)
 
 
+def test_a_draft_quantize_without_a_draft_model_is_refused_before_loading(tmp_path, tokenizer_path):
+    for draft in (None, "lookup"):
+        with pytest.raises(ValueError, match="draft_quantize quantizes a draft model"):
+            Llama.build(str(tmp_path / "not-loaded"), tokenizer_path, draft=draft, draft_quantize="int4")
+
+
 def test_streamed_speculative_answer_joins_to_the_plain_one(tiny_llama):
     speculative = Llama(tiny_llama.model, tiny_llama.tokenizer, draft="lookup")
     prompt = "1, 2, 3, 4, 5, 6"
