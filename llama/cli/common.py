@@ -6,6 +6,7 @@ A user's mistake is what the library raises as `ValueError`, `FileNotFoundError`
 folder, a device that is not here, a value out of range). Any other exception is a bug, and keeps its traceback.
 """
 
+import argparse
 import functools
 import inspect
 import os
@@ -134,6 +135,18 @@ def rank0_stream(stream: TextIO) -> TextIO:
 def _devnull() -> TextIO:
     """The null device, opened once, for what the other processes would have shown."""
     return open(os.devnull, "w")
+
+
+def add_compile_flags(parser: argparse.ArgumentParser) -> None:
+    """`--compile` and `--nocompile`, for `Llama.build(compile=...)`: True, False, or None (left out: the runtime
+    compiles quantized weights on one CUDA GPU only)."""
+    parser.add_argument(
+        "--compile",
+        action="store_const",
+        const=True,
+        help="decode through torch.compile, slow to start (default: for quantized weights on one CUDA GPU only)",
+    )
+    parser.add_argument("--nocompile", dest="compile", action="store_const", const=False, help="never compile")
 
 
 # `Llama.build`'s keyword arguments that a command line may carry as flags of the same names.

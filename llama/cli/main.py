@@ -21,7 +21,15 @@ from typing import List, Optional
 
 from llama import __version__
 from llama.arguments import DEFAULT_DRAFT_MAX, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from llama.cli.common import build_from_flags, check_prompts_fit, ends_on_ctrl_c, fail, rank0_stream, user_errors
+from llama.cli.common import (
+    add_compile_flags,
+    build_from_flags,
+    check_prompts_fit,
+    ends_on_ctrl_c,
+    fail,
+    rank0_stream,
+    user_errors,
+)
 from llama.logs import show_logs
 
 PROG = "llama"
@@ -59,13 +67,7 @@ def add_model_flags(parser: argparse.ArgumentParser, max_gen_len: Optional[int])
     parser.add_argument("--device", help="cuda, cuda:N, cpu or mps (default: CUDA if present, else the CPU)")
     parser.add_argument("--dtype", help="bfloat16, float16 or float32 (default: by device and checkpoint)")
     parser.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantization as the weights load")
-    parser.add_argument(
-        "--compile",
-        action="store_const",
-        const=True,
-        help="decode through torch.compile, slow to start (default: for quantized weights on one CUDA GPU only)",
-    )
-    parser.add_argument("--nocompile", dest="compile", action="store_const", const=False, help="never compile")
+    add_compile_flags(parser)
     parser.add_argument(
         "--nocuda_graphs", dest="cuda_graphs", action="store_false", help="on one GPU, decode without CUDA graphs"
     )

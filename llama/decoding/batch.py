@@ -266,7 +266,7 @@ class BatchDecoder:
         stop_tokens = self.tokenizer.stop_tokens
         proposer = proposer_for(self.draft, tokens[0, : batch.cur_pos].tolist())
         length, counts = DraftLength(self.draft_max), self.last_drafts
-        logits = self.model.forward(tokens[:, batch.reused : batch.cur_pos], batch.reused, last_logits_only=True)
+        logits = self.run_model(tokens[:, batch.reused : batch.cur_pos], batch.reused, last_logits_only=True)
         new = sample_next(logits[:, -1], temperature, top_p).reshape(-1).tolist()
         while True:
             stop = next((i for i, token in enumerate(new) if token in stop_tokens), None)

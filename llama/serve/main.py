@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from llama.cli.common import build_from_flags, user_errors
+from llama.cli.common import add_compile_flags, build_from_flags, user_errors
 
 INSTALL = "pip install 'llama3[serve]' (from a checkout: pip install -e '.[serve]')"
 
@@ -34,13 +34,7 @@ def parse_args(argv: Optional[List[str]], prog: Optional[str] = None) -> argpars
     parser.add_argument("--max_queue", type=int, default=64, help="requests that may wait for a row; then HTTP 429")
     parser.add_argument("--prefill_chunk", type=int, default=512, help="most prompt tokens run in one step")
     parser.add_argument("--quantize", choices=["int8", "int4"], help="quantize the weights as they load")
-    parser.add_argument(
-        "--compile",
-        action="store_const",
-        const=True,
-        help="decode with a torch.compile'd step (default: for quantized weights on one CUDA GPU only)",
-    )
-    parser.add_argument("--nocompile", dest="compile", action="store_const", const=False, help="never compile")
+    add_compile_flags(parser)
     parser.add_argument(
         "--noprefix_cache",
         dest="prefix_cache",
