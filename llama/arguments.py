@@ -11,6 +11,7 @@ from typing import Any, Optional
 DEFAULT_TEMPERATURE = 0.6
 DEFAULT_TOP_P = 0.9
 DEFAULT_DRAFT_MAX = 8  # the most guessed tokens speculative decoding checks in one pass
+LOOKUP = "lookup"  # `Llama.build(draft=...)`'s name for prompt lookup; any other draft is a checkpoint folder
 
 
 def token_id_list(ids: Sequence[int], vocab_size: int, where: str = "") -> list[int]:

@@ -12,7 +12,7 @@ from typing import Iterator, List, Optional, Tuple, TypedDict, Union
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 
-from llama.arguments import DEFAULT_DRAFT_MAX, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.arguments import DEFAULT_DRAFT_MAX, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, LOOKUP
 from llama.checkpoint import (
     LoadReport,
     checked_int,
@@ -23,7 +23,6 @@ from llama.checkpoint import (
 )
 from llama.decoding import BatchDecoder, Speed, Stopwatch
 from llama.decoding.grammar import constraints_for
-from llama.decoding.speculative import LOOKUP
 from llama.runtime import DecodeStep, RuntimeTransformer, compiled_step, for_runtime
 from llama.text import (
     StreamChunk,

@@ -8,7 +8,8 @@ import torch
 from helpers import ATOL, GQA_PARAMS, load_tiny
 
 from llama.checkpoint import random_weights
-from llama.serve.engine import Engine, Request
+from llama.serve.engine import Engine
+from llama.serve.requests import Request
 
 
 def test_rows_at_different_positions_decode_as_each_would_alone(process_group, tmp_path):

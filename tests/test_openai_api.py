@@ -11,8 +11,8 @@ from helpers import import_or_skip
 import_or_skip("fastapi", "pip install -e '.[serve]'")
 
 from llama.serve.answers import ChatAnswer  # noqa: E402
-from llama.serve.engine import Output  # noqa: E402
 from llama.serve.protocol import ChatRequest, tool_calls_out  # noqa: E402
+from llama.serve.requests import Output  # noqa: E402
 from llama.text import AnswerText  # noqa: E402
 from llama.tokenizer import ChatFormat, Tokenizer  # noqa: E402
 

@@ -12,7 +12,8 @@ from helpers import TINY_PARAMS
 from llama import Llama
 from llama.checkpoint import random_weights, write_meta_checkpoint
 from llama.runtime.cached_tokens import CachedTokens, common_prefix_length
-from llama.serve.engine import Engine, Output, Request
+from llama.serve.engine import Engine
+from llama.serve.requests import Output, Request
 
 MAX_GEN = 10
 SYSTEM = {"role": "system", "content": "You are a helpful assistant who answers briefly."}

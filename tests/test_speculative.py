@@ -289,3 +289,108 @@ def test_llama_complete_speculates_with_the_same_text_and_says_how_it_went(tiny_
     assert re.search(r", \d+ of \d+ guessed tokens kept \(\d+%\), \d+\.\d\d tokens a pass\]$", speculative.stderr)
     missing = complete("--draft", str(tiny_checkpoint) + "-nowhere")
     assert missing.returncode == 2 and missing.stderr.startswith("error: The --draft: ") and "lookup" in missing.stderr
+
+
+def engine_answer(engine, prompt, max_tokens, temperature=0.0, seed=None, top_p=0.9):
+    """A request's tokens and finish from `engine`, stepped here until it is done; and the steps that took."""
+    from llama.serve.requests import Request
+
+    got = []
+    engine.submit(Request(prompt, max_tokens, temperature, top_p, emit=got.append, seed=seed))
+    steps = 0
+    while engine.load()["running"] or engine.load()["waiting"]:
+        engine.step()
+        steps += 1
+    return [o.token for o in got if o.token is not None], got[-1].finish, steps
+
+
+def test_the_server_s_engine_speculates_alone_with_plain_greedy_tokens(tiny_llama):
+    """A request running alone in the engine decodes speculatively: generate's greedy tokens and finish, in
+    fewer steps than tokens, and /health's figures (`Engine.load`) say what was guessed and kept."""
+    from llama.serve.engine import Engine
+
+    engine = Engine(tiny_llama.model, tiny_llama.tokenizer, prefix_cache=False, draft="lookup", draft_max=5)
+    prompts = ["1, 2, 3, 4, 5, 6", "Hello Hello Hello", "the the the the"]
+    steps = tokens = 0
+    for text in prompts:
+        prompt = tiny_llama.tokenizer.encode(text, bos=True, eos=False)
+        for max_tokens in (3, 40):
+            expected, reasons = tiny_llama.generate([prompt], max_tokens, temperature=0)
+            got, finish, taken = engine_answer(engine, prompt, max_tokens)
+            assert got == expected[0]
+            assert finish == ("length" if len(got) == max_tokens else "end_of_turn")
+            steps, tokens = steps + taken, tokens + len(got)
+    assert steps < tokens
+    speculation = engine.load()["speculative"]
+    assert 0 < speculation["accepted_tokens"] < speculation["proposed_tokens"]
+    assert speculation["tokens_per_pass"] > 1 and 0 < speculation["acceptance_rate"] < 1
+
+
+def test_under_load_the_engine_decodes_every_row_plainly(tiny_llama):
+    """While two requests run, no step verifies guesses (a step decodes both rows); each gets its solo greedy
+    tokens, and the one left alone speculates."""
+    from llama.serve.engine import Engine
+    from llama.serve.requests import Request
+
+    engine = Engine(tiny_llama.model, tiny_llama.tokenizer, prefix_cache=False, draft="lookup", draft_max=5)
+    prompts = [tiny_llama.tokenizer.encode(text, bos=True, eos=False) for text in ("the the the the", "1, 2, 3, 4")]
+    lengths = (40, 12)
+    solo = [tiny_llama.generate([p], n, temperature=0)[0][0] for p, n in zip(prompts, lengths)]
+    outputs = [[], []]
+    for prompt, n, out in zip(prompts, lengths, outputs):
+        engine.submit(Request(prompt, n, 0.0, 0.9, emit=out.append))
+    passes_with_two = 0
+    while engine.load()["running"] or engine.load()["waiting"]:
+        two = engine.load()["running"] + engine.load()["waiting"] == 2
+        before = engine.speculation.counts.passes
+        engine.step()
+        passes_with_two += (engine.speculation.counts.passes - before) if two else 0
+    assert [[o.token for o in out if o.token is not None] for out in outputs] == solo
+    assert passes_with_two == 0 and engine.speculation.counts.passes > 0
+
+
+def test_a_seeded_request_speculating_in_the_engine_repeats(tiny_llama):
+    from llama.serve.engine import Engine
+
+    """The request's generator draws the kept guesses and the tokens after them: the same seed, the same answer
+    (at a low temperature and top_p, so that the random model's answers repeat enough to be guessed)."""
+    engine = Engine(tiny_llama.model, tiny_llama.tokenizer, draft="lookup", draft_max=5)
+    prompt = tiny_llama.tokenizer.encode("the the the the", bos=True, eos=False)
+    answers = {}
+    for seed in (1, 2, 3, 4, 1, 2, 3, 4):
+        got, _, _ = engine_answer(engine, prompt, 30, temperature=0.3, seed=seed, top_p=0.5)
+        assert answers.setdefault(seed, got) == got
+    assert len(set(map(tuple, answers.values()))) > 1  # the seeds do draw otherwise
+    assert engine.speculation.counts.passes > 0
+
+
+def test_a_draft_model_under_torchrun_s_server_is_refused(monkeypatch, tmp_path):
+    from llama.serve.main import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        parse_args([str(tmp_path), "--draft", str(tmp_path)])
+    assert parse_args([str(tmp_path), "--draft", "lookup"]).draft == "lookup"
+
+
+@pytest.mark.slow
+def test_llama_serve_speculates_with_plain_answers_and_reports_it_in_health(tiny_checkpoint, tokenizer_path, tmp_path):
+    """`llama serve --draft lookup`: a greedy completion is the plain server's, and /health says how speculation
+    went."""
+    import httpx
+    from serve_process import Server
+
+    body = {"model": "tiny", "prompt": "1, 2, 3, 4, 5, 6", "max_tokens": 40, "temperature": 0}
+    answers, healths = [], []
+    for flags in ([], ["--draft", "lookup", "--draft_max", "5"]):
+        flags += ["--tokenizer_path", tokenizer_path, "--max_seq_len", "64", "--model_name", "tiny"]
+        server = Server(tiny_checkpoint, tmp_path / f"server{len(answers)}.log", *flags)
+        try:
+            answer = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+            answers.append(answer["choices"][0]["text"])
+            healths.append(server.health())
+        finally:
+            server.stop()
+    assert answers[1] == answers[0] and "speculative" not in healths[0]
+    speculation = healths[1]["speculative"]
+    assert speculation["verification_passes"] > 0 and speculation["accepted_tokens"] > 0

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence, TextI
 
 import fire
 
+from llama.arguments import DEFAULT_DRAFT_MAX
 from llama.logs import show_logs
 
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
@@ -147,6 +148,23 @@ def add_compile_flags(parser: argparse.ArgumentParser) -> None:
         help="decode through torch.compile, slow to start (default: for quantized weights on one CUDA GPU only)",
     )
     parser.add_argument("--nocompile", dest="compile", action="store_const", const=False, help="never compile")
+
+
+def add_draft_flags(parser: argparse.ArgumentParser) -> None:
+    """`--draft`, `--draft_max` and `--draft_quantize`, for `Llama.build`'s arguments of the same names."""
+    parser.add_argument(
+        "--draft",
+        help='decode speculatively, guessing several tokens a step and keeping those the model agrees with: "lookup" '
+        "guesses from the text so far; a checkpoint folder is a draft model with the same tokenizer. Greedy answers "
+        "are the model's own (docs/speed.md)",
+    )
+    parser.add_argument(
+        "--draft_max",
+        type=int,
+        default=DEFAULT_DRAFT_MAX,
+        help=f"most guessed tokens checked in one step (default {DEFAULT_DRAFT_MAX})",
+    )
+    parser.add_argument("--draft_quantize", choices=["int8", "int4"], help="quantize the draft model as it loads")
 
 
 # `Llama.build`'s keyword arguments that a command line may carry as flags of the same names.

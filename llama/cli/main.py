@@ -20,9 +20,10 @@ import sys
 from typing import List, Optional
 
 from llama import __version__
-from llama.arguments import DEFAULT_DRAFT_MAX, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.cli.common import (
     add_compile_flags,
+    add_draft_flags,
     build_from_flags,
     check_prompts_fit,
     ends_on_ctrl_c,
@@ -79,19 +80,7 @@ def add_model_flags(parser: argparse.ArgumentParser, max_gen_len: Optional[int])
         "the last turn: in float32 the same greedy tokens; in bfloat16 a near-tie may break otherwise, and a seeded "
         "sample can differ from a cold run's)",
     )
-    parser.add_argument(
-        "--draft",
-        help='decode speculatively, guessing several tokens a step and keeping those the model agrees with: "lookup" '
-        "guesses from the text so far; a checkpoint folder is a draft model with the same tokenizer. Greedy answers "
-        "are the model's own (docs/speed.md)",
-    )
-    parser.add_argument(
-        "--draft_max",
-        type=int,
-        default=DEFAULT_DRAFT_MAX,
-        help=f"most guessed tokens checked in one step (default {DEFAULT_DRAFT_MAX})",
-    )
-    parser.add_argument("--draft_quantize", choices=["int8", "int4"], help="quantize the draft model as it loads")
+    add_draft_flags(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="show the library's log records (INFO)")
 
 

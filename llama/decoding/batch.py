@@ -14,13 +14,12 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from llama.arguments import DEFAULT_DRAFT_MAX, check_sampling, checked_gen_len, token_id_list
+from llama.arguments import DEFAULT_DRAFT_MAX, LOOKUP, check_sampling, checked_gen_len, token_id_list
 from llama.checkpoint import checked_int
 from llama.decoding.grammar import Constraint
 from llama.decoding.next_token import advance_grammars, cut_at_stop, masked_to_grammars, token_logprobs
 from llama.decoding.sampling import sample_next
 from llama.decoding.speculative import (
-    LOOKUP,
     DraftCounts,
     DraftLength,
     accept_greedy,

@@ -18,12 +18,12 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from llama.arguments import LOOKUP
 from llama.decoding.sampling import greedy_pick
 from llama.runtime import RuntimeTransformer
 
 # The n-gram lengths prompt lookup matches, longest first: a longer match is more likely to go on alike.
 LOOKUP_NGRAMS = (3, 2, 1)
-LOOKUP = "lookup"  # `Llama.build(draft=...)`'s name for prompt lookup; any other draft is a checkpoint folder
 
 
 class PromptLookup:

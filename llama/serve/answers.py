@@ -12,7 +12,6 @@ import secrets
 import time
 from typing import AsyncIterator, List, Optional, Tuple
 
-from llama.serve.engine import Output
 from llama.serve.protocol import (
     APIError,
     ChatRequest,
@@ -25,6 +24,7 @@ from llama.serve.protocol import (
     prompt_logprobs,
     tool_calls_out,
 )
+from llama.serve.requests import Output
 from llama.text import AnswerText
 from llama.tokenizer import STOP_TOKEN_REASONS, ChatFormat, Tokenizer
 

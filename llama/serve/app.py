@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from llama.decoding.grammar import Grammar, GrammarError
 from llama.serve import engine as batching
 from llama.serve.answers import Answer, ChatAnswer, CompletionAnswer
-from llama.serve.engine import Engine, Output, QueueFull
+from llama.serve.engine import Engine
 from llama.serve.prompts import answer_format, check_in_vocabulary, completion_prompts, dialog_of, tokenize
 from llama.serve.protocol import (
     APIError,
@@ -32,6 +32,7 @@ from llama.serve.protocol import (
     TokenizeChat,
     TokenizePrompt,
 )
+from llama.serve.requests import Output, QueueFull
 from llama.tokenizer import ChatFormat, Tokenizer
 
 # How often a request checks that its client is still there.

@@ -17,6 +17,8 @@ Each request samples with its own temperature, top_p and `torch.Generator`, as `
 one: greedy requests get the tokens they would get alone (up to the rounding of a batched product), and a seeded
 request its own draws whatever else runs beside it.
 
+With a `draft`, a request decodes speculatively while it runs alone (`llama.serve.speculation`).
+
 Under torchrun every process holds a share of the model and must run each step with the others: the process of
 rank 0 plans the step, sends the `Plan` to the others (`PlanChannel`), and all of them run it (`run_plan`); only
 rank 0 samples. The others loop in `follow_plans`. Those three live in `llama.serve.engine_plan`.
@@ -27,52 +29,19 @@ import itertools
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 
-from llama.decoding.grammar import Constraint
+from llama.arguments import DEFAULT_DRAFT_MAX
 from llama.decoding.next_token import advance_grammars, masked_to_grammars, scores
 from llama.decoding.sampling import sample_next
 from llama.runtime import DecodeStep, RuntimeTransformer
 from llama.runtime.cached_tokens import common_prefix_length
 from llama.serve.engine_plan import Plan, PlanChannel, run_plan
+from llama.serve.requests import Output, QueueFull, Request
+from llama.serve.speculation import Guesser, Speculation
 from llama.tokenizer import Tokenizer, stop_reason
-
-
-@dataclass
-class Output:
-    """What a request gets from the engine thread: a token, or, last, why it finished."""
-
-    token: Optional[int] = None
-    logprob: Optional[float] = None  # the token's log-probability under the model's logits (no temperature)
-    top_logprobs: Optional[List[Tuple[int, float]]] = None  # the most likely tokens and theirs, when asked for
-    # Before the first token, for a request that scores its prompt: each prompt token's (logprob, top_logprobs),
-    # None for the first (nothing predicts it).
-    prompt_logprobs: Optional[List[Optional[Tuple[float, List[Tuple[int, float]]]]]] = None
-    finish: Optional[str] = None  # "end_of_turn", "end_of_message", "length"; "error", "cancelled" (shutdown)
-    cached_tokens: int = 0  # of a token or a stop: the request's prompt tokens reused from the KV cache
-
-
-@dataclass
-class Request:
-    """One prompt to continue. `emit` is called from the engine's thread with each `Output`, in order."""
-
-    prompt: List[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    emit: Callable[[Output], None]
-    seed: Optional[int] = None  # None: draws from a generator seeded at random
-    top_logprobs: Optional[int] = None  # None: no logprobs; k: each token's logprob and the k likeliest
-    score_prompt: bool = False  # also each prompt token's logprob (and top_logprobs' likeliest): the whole prompt runs
-    constraint: Optional[Constraint] = None  # a grammar the answer must follow (`llama.decoding.grammar`)
-    cancelled: bool = False
-    cached_tokens: int = 0  # set by the engine: prompt tokens whose keys and values it reused rather than computed
-
-
-class QueueFull(Exception):
-    """Every row is busy and the waiting queue is full."""
 
 
 @dataclass
@@ -85,6 +54,7 @@ class Row:
     prefilled: int = 0  # prompt tokens in the cache
     generated: int = 0  # tokens sampled
     next_token: Optional[int] = None  # the last token sampled: the next decode step's input
+    guesser: Optional[Guesser] = None  # with a draft: guesses the tokens after the prompt and those sampled
     prompt_logprobs: List[Optional[Tuple[float, List[Tuple[int, float]]]]] = field(default_factory=lambda: [None])
 
     @property
@@ -110,6 +80,8 @@ class Engine:
         channel: Under torchrun, where the plans go to the other processes.
         prefix_cache: Reuse the keys and values that rows hold from earlier requests (see the module); False
             prefills every prompt from its first token.
+        draft: "lookup", or a draft model (`Llama.build`'s `draft`): a request running alone decodes speculatively,
+            up to `draft_max` guessed tokens a pass (`llama.serve.speculation`). Under torchrun, "lookup" only.
     """
 
     def __init__(
@@ -122,6 +94,8 @@ class Engine:
         fixed_batch: bool = False,
         channel: Optional[PlanChannel] = None,
         prefix_cache: bool = True,
+        draft: Union[str, RuntimeTransformer, None] = None,
+        draft_max: int = DEFAULT_DRAFT_MAX,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.decode_step = decode_step
@@ -137,6 +111,7 @@ class Engine:
         self.stopping = False
         self.arrivals = itertools.count()
         self.sampled = 0  # tokens sampled since the start, stop tokens included
+        self.speculation = None if draft is None else Speculation(draft, draft_max, distributed=channel is not None)
 
     @property
     def max_seq_len(self) -> int:
@@ -172,13 +147,16 @@ class Engine:
         with self.wakeup:
             running = sum(row is not None for row in self.rows)
             free = len(self.rows) - running
-            return {
+            load = {
                 "running": running,
                 "free_rows": free,
                 "waiting": len(self.waiting),
                 "sampled_tokens": self.sampled,
                 "reused_prompt_tokens": self.reused,
             }
+            if self.speculation is not None:
+                load["speculative"] = self.speculation.report()
+            return load
 
     def run(self) -> None:
         """Step while there is work, until `stop`; then tell the other processes to stop too."""
@@ -212,9 +190,14 @@ class Engine:
             self.release_cancelled()
             self.admit()
             plan = self.plan()
+            alone = self.running_alone(plan)
+        guesses = [] if alone is None else self.propose(plan, alone)  # outside the lock: a draft model runs here
         if self.channel is not None:
             self.channel.send(plan)
         decode_logits, prefill_logits = run_plan(self.model, self.decode_step, plan)
+        if guesses:
+            self.verify(alone, guesses, prefill_logits[0])
+            return
         for i, logits in decode_logits.items():
             self.sample(i, self.rows[i], logits)
         for (i, start, chunk, every_position), logits in zip(plan.prefills, prefill_logits):
@@ -263,6 +246,9 @@ class Engine:
             else:
                 generator.manual_seed(request.seed)
             self.rows[i] = Row(request, generator, admitted=next(self.arrivals), prefilled=reusable[i])
+            if self.speculation is not None:
+                logprobs, grammar = request.top_logprobs is not None, request.constraint is not None
+                self.rows[i].guesser = self.speculation.guesser_for(request.prompt, logprobs, grammar)
             self.last_used[i] = next(self.uses)
             self.reuse(request, reusable[i])
 
@@ -325,6 +311,37 @@ class Engine:
             budget -= len(chunk)
         return plan
 
+    def running_alone(self, plan: Plan) -> Optional[int]:
+        """The row that may decode speculatively in `plan`: the only one in use, decoding, with a guesser (no
+        logprobs, no grammar), while nothing waits; None otherwise."""
+        in_use = [i for i, row in enumerate(self.rows) if row is not None]
+        if len(in_use) != 1 or self.waiting or plan.prefills or plan.decode_rows != in_use:
+            return None
+        return in_use[0] if self.rows[in_use[0]].guesser is not None else None
+
+    def propose(self, plan: Plan, i: int) -> List[int]:
+        """Row i's guesses, as many as its guesser allows and its max_tokens and max_seq_len leave room for with
+        the model's own token after them; where there are some, `plan`'s decode step becomes a pass over
+        the row's last token and the guesses. Returns the guesses (none: `plan` is left a plain step)."""
+        row = self.rows[i]
+        room = min(row.request.max_tokens - row.generated, self.max_seq_len - row.position) - 1
+        guesses = self.speculation.guesses(row.guesser, room)
+        if guesses:
+            plan.decode_tokens, plan.decode_positions, plan.decode_rows = [], [], []
+            plan.prefills = [(i, row.position, [row.next_token] + guesses, True)]
+        return guesses
+
+    def verify(self, i: int, guesses: List[int], logits: torch.Tensor) -> None:
+        """Hand row i's request the guesses the model agrees with and its own token after them. The refused
+        guesses' keys and values stay in the row, recorded as such, until the next step overwrites them."""
+        row = self.rows[i]
+        request = row.request
+        args = (request.temperature, request.top_p, row.generator)
+        for token in self.speculation.accept(row.guesser, guesses, logits, *args):
+            if self.rows[i] is not row:  # it stopped
+                return
+            self.take(i, row, token)
+
     @staticmethod
     def runs_later_in_older_row(row: Row, older: List[Row]) -> bool:
         """Whether an older row still prefilling will run the next tokens of `row`'s prompt itself."""
@@ -332,15 +349,21 @@ class Engine:
         return any(common_prefix_length(other.request.prompt, prompt) > row.prefilled for other in older)
 
     def sample(self, i: int, row: Row, logits: torch.Tensor) -> None:
-        """Draw row i's next token from its logits (vocab_size,), hand it to the request, and free the row when
-        the request is done."""
+        """Draw row i's next token from its logits (vocab_size,) and hand it to the request (`take`)."""
         request = row.request
         under_grammar = [] if request.constraint is None else [(0, request.constraint)]
         drawn = sample_next(
             masked_to_grammars(logits[None], under_grammar), request.temperature, request.top_p, row.generator
         )
         advance_grammars(under_grammar, drawn.reshape(-1))
-        token = int(drawn)
+        self.take(i, row, int(drawn), logits)
+
+    def take(self, i: int, row: Row, token: int, logits: Optional[torch.Tensor] = None) -> None:
+        """Hand row i's next token to its request (with its logprobs from `logits`, where asked for), and free the
+        row when the request is done."""
+        request = row.request
+        if row.guesser is not None:
+            row.guesser.proposer.extend([token])
         row.generated += 1
         self.sampled += 1
         if token in self.tokenizer.stop_tokens:

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from llama.cli.common import add_compile_flags, build_from_flags, user_errors
+from llama.arguments import LOOKUP
+from llama.cli.common import add_compile_flags, add_draft_flags, build_from_flags, user_errors
 
 INSTALL = "pip install 'llama3[serve]' (from a checkout: pip install -e '.[serve]')"
 
@@ -43,6 +44,7 @@ def parse_args(argv: Optional[List[str]], prog: Optional[str] = None) -> argpars
         "already holds: in float32 the same greedy tokens; in bfloat16 a near-tie may break otherwise, and a seeded "
         "sample can differ from a cold run's)",
     )
+    add_draft_flags(parser)
     parser.add_argument("--device", help='"cuda", "cpu", ... (default: CUDA when available)')
     parser.add_argument("--dtype", help='"bfloat16", "float16" or "float32" (default: per device)')
     parser.add_argument(
@@ -60,6 +62,8 @@ def parse_args(argv: Optional[List[str]], prog: Optional[str] = None) -> argpars
     for name in ("max_batch_size", "max_seq_len", "prefill_chunk"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.draft not in (None, LOOKUP):
+        parser.error(f"under torchrun the server speculates by prompt lookup only: --draft {LOOKUP}, or no --draft")
     if args.max_queue < 0 or not 0 <= args.port < 65536:
         parser.error("--max_queue must be >= 0 and --port in 0..65535")
     return args
@@ -106,6 +110,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
         fixed_batch=is_compiled(decode_step),
         channel=channel,
         prefix_cache=args.prefix_cache,
+        draft=generator.decoder.draft,
+        draft_max=generator.decoder.draft_max,
     )
     name = args.model_name or Path(args.ckpt_dir).resolve().name
     app = create_app(Service(engine, generator.tokenizer, name), args.api_key)

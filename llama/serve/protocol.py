@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
-from llama.serve.engine import Output
+from llama.serve.requests import Output
 from llama.text import tool_call_message
 from llama.tokenizer import ROLES as LLAMA_ROLES
 from llama.tokenizer import ChatFormat, Tokenizer
