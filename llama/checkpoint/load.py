@@ -15,6 +15,7 @@ from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llama.arguments import short_repr
+from llama.checkpoint.gguf_file import GGUFCheckpoint
 from llama.checkpoint.hf import HuggingFaceCheckpoint
 from llama.checkpoint.meta import MetaCheckpoint
 from llama.checkpoint.params import (
@@ -26,7 +27,7 @@ from llama.checkpoint.params import (
     saved_quantization,
 )
 from llama.checkpoint.quantized import layer_from_saved, saved_shapes
-from llama.checkpoint.report import LoadReport, weights_bar
+from llama.checkpoint.report import FORMAT_NAMES, LoadReport, weights_bar
 from llama.checkpoint.shards import CheckpointReader, check_model_parallel_size, rank_weights
 from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
 from llama.model import ModelArgs, Transformer
@@ -34,17 +35,22 @@ from llama.quantize import check_device, check_scheme, whole_shape
 from llama.runtime.cuda_graphs import decode_step_bytes
 from llama.runtime.quantized import quantize_layer
 from llama.tokenizer import Tokenizer
+from llama.tokenizer.gguf_vocab import is_gguf_file
 
 logger = logging.getLogger(__name__)
 
 
 def open_checkpoint(ckpt_dir) -> CheckpointReader:
-    """Open a Meta (params.json) or Hugging Face (config.json) checkpoint folder."""
+    """Open a Meta (params.json) or Hugging Face (config.json) checkpoint folder, or a GGUF file."""
     if not isinstance(ckpt_dir, (str, os.PathLike)):
         raise ValueError(f"ckpt_dir must be the path of a checkpoint folder, got {short_repr(ckpt_dir)}")
     ckpt_dir = Path(ckpt_dir)
+    if is_gguf_file(ckpt_dir):
+        return GGUFCheckpoint(ckpt_dir)
     if ckpt_dir.is_file():
-        raise ValueError(f"{ckpt_dir} is a file; pass the folder that holds it (ckpt_dir={ckpt_dir.parent})")
+        raise ValueError(
+            f"{ckpt_dir} is a file, and not a GGUF file; pass the folder that holds it (ckpt_dir={ckpt_dir.parent})"
+        )
     if not ckpt_dir.is_dir():
         raise FileNotFoundError(f"Checkpoint directory {ckpt_dir} does not exist")
     if (ckpt_dir / META_PARAMS).is_file():
@@ -58,13 +64,16 @@ def open_checkpoint(ckpt_dir) -> CheckpointReader:
 
 
 def find_tokenizer(ckpt_dir, tokenizer_path: Optional[str] = None) -> str:
-    """The tokenizer file: `tokenizer_path` if given, else tokenizer.model in ckpt_dir or ckpt_dir/original.
+    """The tokenizer file: `tokenizer_path` if given, else tokenizer.model in ckpt_dir or ckpt_dir/original (a GGUF
+    file is its own).
 
     Raises:
         FileNotFoundError: when tokenizer_path is None and neither folder holds a tokenizer.model.
     """
     if tokenizer_path is not None:
         return str(tokenizer_path)  # checked as it is read
+    if is_gguf_file(ckpt_dir):
+        return str(ckpt_dir)  # its vocabulary is inside
     candidates = [blobfile.join(str(ckpt_dir), name) for name in ("tokenizer.model", "original/tokenizer.model")]
     for candidate in candidates:
         if blobfile.exists(candidate) and not blobfile.isdir(candidate):
@@ -194,7 +203,7 @@ def load_checkpoint(
         quantize = saved[0]
     if quantize is not None and dtype is None and device.type == "cpu":
         dtype = torch.bfloat16  # what the CPU's weight-only kernels run fastest with
-    dtype = resolve_dtype(reader.dtype if dtype is None and reader.format == "hf" else dtype, device)
+    dtype = resolve_dtype(reader.dtype if dtype is None and reader.format in ("hf", "gguf") else dtype, device)
     if quantize is not None:
         check_scheme(quantize)
         check_device(device, quantize, dtype)
@@ -203,7 +212,7 @@ def load_checkpoint(
     model_parallel_size = init_model_parallel(device, model_parallel_size, timeout)
     rank = global_rank()  # its weights bar: rank 0's
     torch.manual_seed(seed)  # the same in all processes: they must sample the same tokens
-    logger.info("Loading a %s checkpoint from %s", "Meta" if reader.format == "meta" else "Hugging Face", ckpt_dir)
+    logger.info("Loading a %s checkpoint from %s", FORMAT_NAMES[reader.format], ckpt_dir)
     if ignored:
         logger.warning(
             "Ignoring checkpoint parameters %s: unknown to the model, or (%s) set by Llama.build's arguments",
@@ -211,7 +220,9 @@ def load_checkpoint(
             ", ".join(BUILD_FIELDS),
         )
     check_kv_cache_fits(model_args, model_parallel_size, device, dtype)
-    tokenizer = Tokenizer(tokenizer_path, version=version or ("3.1" if model_args.use_scaled_rope else "3"))
+    version = version or ("3.1" if model_args.use_scaled_rope else "3")
+    ranks = reader.vocabulary() if reader.format == "gguf" and Path(tokenizer_path) == reader.path else None
+    tokenizer = Tokenizer(tokenizer_path, version=version, ranks=ranks)  # a GGUF's vocabulary read once, above
     if model_args.vocab_size != tokenizer.n_words:
         raise ValueError(
             f"The checkpoint's vocab_size ({model_args.vocab_size}) differs from the tokenizer's "

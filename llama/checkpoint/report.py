@@ -14,12 +14,14 @@ T = TypeVar("T")
 
 BAR_DELAY = 1.0  # seconds a load runs before its bar appears: a quick load draws none
 
+FORMAT_NAMES = {"meta": "Meta", "hf": "Hugging Face", "gguf": "GGUF"}  # a checkpoint format, as people say it
+
 
 @dataclass
 class LoadReport:
     """What `Llama.build` chose and loaded, and how long it took; its text is the line shown after loading."""
 
-    format: str  # "meta" or "hf"
+    format: str  # "meta", "hf" or "gguf"
     device: torch.device
     dtype: torch.dtype
     quantization: Optional[str]  # "int8", "int4" or None
@@ -28,7 +30,7 @@ class LoadReport:
     seconds: float
 
     def __str__(self) -> str:
-        layout = {"meta": "Meta", "hf": "Hugging Face"}.get(self.format, self.format)
+        layout = FORMAT_NAMES.get(self.format, self.format)
         if self.quantization is None:
             quantized = "not quantized"
         else:

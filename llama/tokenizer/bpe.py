@@ -15,6 +15,7 @@ import blobfile
 import tiktoken
 
 from llama.arguments import short_repr, token_id_list
+from llama.tokenizer.gguf_vocab import is_gguf_file, read_gguf_ranks
 
 logger = getLogger(__name__)
 
@@ -65,7 +66,8 @@ def _special_token_names(version: str, num_reserved: int) -> list[str]:
 
 def load_bpe_ranks(path: str) -> dict[bytes, int]:
     """The BPE merge ranks of a tiktoken model file: one `<base64 token> <rank>` per line, the ranks 0 to n - 1
-    each used once, and a token for each of the 256 bytes (byte-level BPE starts from single bytes).
+    each used once, and a token for each of the 256 bytes (byte-level BPE starts from single bytes). A local GGUF
+    file's vocabulary is read too (`llama.tokenizer.gguf_vocab`).
 
     What `tiktoken.load.load_tiktoken_bpe` returns for a sound file, read from `path` itself: tiktoken keeps a copy
     of every file it loads in the temp folder, keyed by its path, and reads that copy thereafter, so a file replaced
@@ -78,15 +80,18 @@ def load_bpe_ranks(path: str) -> dict[bytes, int]:
         FileNotFoundError: If nothing exists at `path`.
         ValueError: If the file cannot be read or is not as above; the message names the first bad line.
     """
-    try:
-        data = blobfile.read_bytes(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"Tokenizer model file not found: {path}") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"Cannot read the tokenizer model file {path}: {e}") from e
-    ranks = _ranks_in_meta_layout(data)
-    if ranks is None:
-        ranks = _ranks_line_by_line(data, path)
+    if is_gguf_file(path):
+        ranks = read_gguf_ranks(path)
+    else:
+        try:
+            data = blobfile.read_bytes(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"Tokenizer model file not found: {path}") from None
+        except (OSError, ValueError) as e:
+            raise ValueError(f"Cannot read the tokenizer model file {path}: {e}") from e
+        ranks = _ranks_in_meta_layout(data)
+        if ranks is None:
+            ranks = _ranks_line_by_line(data, path)
     missing = [bytes([b]) for b in range(256) if bytes([b]) not in ranks]
     if missing:
         raise ValueError(
@@ -174,7 +179,7 @@ class Tokenizer:
 
     pat_str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
-    def __init__(self, model_path: str, *, version: str = "3"):
+    def __init__(self, model_path: str, *, version: str = "3", ranks: Optional[dict[bytes, int]] = None):
         """Loads the BPE ranks and sets up the special tokens.
 
         Args:
@@ -182,6 +187,8 @@ class Tokenizer:
                 URL (`gs://...`, `az://...`). It is read anew on every call, never from a cache.
             version (str): "3" for the Llama 3 special-token names, "3.1" for those of Llama 3.1 and
                 later (same IDs, some renamed, plus `<|eom_id|>` as a stop token and the `ipython` role).
+            ranks: The BPE ranks of `model_path`, where the caller has read them already (a GGUF checkpoint's
+                vocabulary); None reads them from the file.
 
         Raises:
             ValueError: If `version` is not one of the supported versions, if `model_path` is not a path or is a
@@ -206,7 +213,7 @@ class Tokenizer:
             )
         self.version = version
 
-        mergeable_ranks = load_bpe_ranks(model_path)
+        mergeable_ranks = load_bpe_ranks(model_path) if ranks is None else ranks
         self.num_base_tokens = len(mergeable_ranks)
         names = _special_token_names(version, self.num_reserved_special_tokens)
         self.special_tokens = {name: self.num_base_tokens + i for i, name in enumerate(names)}

@@ -1,0 +1,220 @@
+"""GGUF files, the format of llama.cpp, ollama and LM Studio, read as a checkpoint: the model's shape from the
+`llama.*` metadata, its tensors under Meta's names, float ones as stored and quantized ones (Q8_0, Q4_0, Q4_K, ...)
+dequantized, one tensor at a time, by ggml's own `gguf` package.
+
+llama.cpp's converter stores the q and k rows in Meta's interleaved RoPE order (it undoes Hugging Face's permutation),
+so a Llama GGUF's tensors are Meta's as they are. Llama 3.1 and later store their RoPE scaling as the tensor
+`rope_freqs` (each frequency's divisor); it is checked against the scaling `llama.model` computes.
+
+Everything a file claims is checked before a weight is read: the magic number, the metadata the model needs, every
+tensor's type, shape and extent inside the file. A problem is a ValueError naming the file.
+"""
+
+import math
+from pathlib import Path
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+
+from llama.checkpoint.hf import hf_config_to_params
+from llama.checkpoint.params import HF_CONFIG_FIELDS, check_fields
+from llama.checkpoint.shards import CheckpointReader
+from llama.model import apply_scaling
+from llama.tokenizer.gguf_vocab import gguf_reader, metadata, read_gguf_ranks
+
+# GGUF metadata keys of a llama model -> the Hugging Face config.json fields they hold.
+GGUF_CONFIG = {
+    "llama.embedding_length": "hidden_size",
+    "llama.block_count": "num_hidden_layers",
+    "llama.attention.head_count": "num_attention_heads",
+    "llama.attention.head_count_kv": "num_key_value_heads",
+    "llama.feed_forward_length": "intermediate_size",
+    "llama.attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "llama.rope.freq_base": "rope_theta",
+}
+GGUF_REQUIRED = (
+    "llama.embedding_length",
+    "llama.block_count",
+    "llama.attention.head_count",
+    "llama.feed_forward_length",
+)
+
+# GGUF tensor names -> Meta checkpoint keys: the model's own, and each block's parts.
+GGUF_TOP_LEVEL = {"token_embd": "tok_embeddings", "output_norm": "norm", "output": "output"}
+GGUF_BLOCK = {
+    "attn_q": "attention.wq",
+    "attn_k": "attention.wk",
+    "attn_v": "attention.wv",
+    "attn_output": "attention.wo",
+    "attn_norm": "attention_norm",
+    "ffn_gate": "feed_forward.w1",
+    "ffn_down": "feed_forward.w2",
+    "ffn_up": "feed_forward.w3",
+    "ffn_norm": "ffn_norm",
+}
+META_TO_GGUF_TOP_LEVEL = {meta: name for name, meta in GGUF_TOP_LEVEL.items()}
+META_TO_GGUF_BLOCK = {meta: name for name, meta in GGUF_BLOCK.items()}
+# The GGUF types read as they are, and those dequantized: the ones people download (Q4_K_M files mix Q4_K and Q6_K;
+# Q5_K_M, Q5_K and Q6_K).
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DEQUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's RoPE scaling, as llama.cpp stores it
+ROWS_AT_A_TIME = 4096  # rows dequantized together: bounds the float32 copy a quantized tensor passes through
+
+
+def meta_key(name: str) -> Optional[str]:
+    """The Meta checkpoint key of a GGUF tensor name (None for a name that is not a Llama weight)."""
+    parts = name.split(".")
+    if len(parts) == 2 and parts[0] in GGUF_TOP_LEVEL:
+        return f"{GGUF_TOP_LEVEL[parts[0]]}.{parts[1]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_BLOCK:
+        return f"layers.{int(parts[1])}.{GGUF_BLOCK[parts[2]]}.{parts[3]}"
+    return None
+
+
+def gguf_name(key: str) -> str:
+    """The GGUF tensor name of a Meta checkpoint key."""
+    parts = key.split(".")
+    if parts[0] == "layers":
+        return f"blk.{parts[1]}.{META_TO_GGUF_BLOCK['.'.join(parts[2:-1])]}.{parts[-1]}"
+    return f"{META_TO_GGUF_TOP_LEVEL[parts[0]]}.{parts[-1]}"
+
+
+def rope_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """RoPE's frequencies before scaling, as `llama.model.precompute_freqs_cis` computes them."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+
+
+def open_gguf(path: Path):
+    """`gguf_reader(path)`, each tensor's type known and its bytes inside the file, as its shape says."""
+    reader = gguf_reader(path)
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # installed: gguf_reader says so otherwise
+
+    size = path.stat().st_size
+    for tensor in reader.tensors:
+        kind = GGMLQuantizationType(tensor.tensor_type)
+        block, type_bytes = GGML_QUANT_SIZES[kind]
+        expected = int(tensor.n_elements) // block * type_bytes
+        if int(tensor.n_elements) % block or tensor.data.nbytes != expected or tensor.data_offset + expected > size:
+            raise ValueError(
+                f"{path}: tensor {tensor.name} of shape {tuple(int(n) for n in tensor.shape)} as {kind.name} needs "
+                f"{expected} bytes, and the file holds {tensor.data.nbytes} of them: it is truncated or damaged"
+            )
+    return reader
+
+
+class GGUFCheckpoint(CheckpointReader):
+    """A GGUF file of a Llama model: its metadata as Meta params, its tensors with Meta's names."""
+
+    format = "gguf"
+
+    def __init__(self, path: Path):
+        self.path = self.ckpt_dir = path
+        self.reader = open_gguf(path)
+        from gguf import GGMLQuantizationType
+
+        architecture = metadata(self.reader, "general.architecture")
+        if architecture != "llama":
+            raise ValueError(
+                f"{path} holds a {architecture!r} model; only Llama models (general.architecture 'llama') load here"
+            )
+        self.tensors, self.shapes, self.dtypes, self.types, unknown = {}, {}, {}, {}, []
+        rope_freqs = None
+        for tensor in self.reader.tensors:
+            kind = GGMLQuantizationType(tensor.tensor_type).name
+            if tensor.name == ROPE_FREQS:
+                rope_freqs = tensor
+                continue
+            key = meta_key(tensor.name)
+            if key is None:
+                unknown.append(tensor.name)
+                continue
+            if kind not in FLOAT_TYPES and kind not in DEQUANTIZED:
+                raise ValueError(
+                    f"{path}: tensor {tensor.name} is stored as {kind}, which this loader does not read; it reads "
+                    f"{', '.join((*FLOAT_TYPES, *DEQUANTIZED))}"
+                )
+            self.tensors[key] = tensor
+            self.types[key] = kind
+            self.shapes[key] = torch.Size(reversed([int(n) for n in tensor.shape]))  # GGUF lists the fastest first
+            self.dtypes[key] = FLOAT_TYPES.get(kind, torch.float32)
+        if unknown:
+            raise ValueError(f"{path} holds tensors that are not part of a Llama model: {unknown[:10]}")
+        self.params = self.read_params(rope_freqs)
+        linear = [self.types[key] for key in self.types if key.startswith("layers.")]
+        self.dtype = FLOAT_TYPES.get(max(set(linear), key=linear.count), torch.bfloat16) if linear else torch.float32
+
+    def read_params(self, rope_freqs) -> dict:
+        """Meta params from the `llama.*` metadata, checked as config.json's fields are; RoPE scaling from the
+        `rope_freqs` tensor."""
+        values = {key: metadata(self.reader, key) for key in GGUF_CONFIG if key in self.reader.fields}
+        check_fields(values, {key: HF_CONFIG_FIELDS[hf] for key, hf in GGUF_CONFIG.items()}, GGUF_REQUIRED, self.path)
+        config = {GGUF_CONFIG[key]: value for key, value in values.items()}
+        config["architectures"] = ["LlamaForCausalLM"]
+        if "tok_embeddings.weight" not in self.shapes:
+            raise ValueError(f"{self.path} has no token_embd.weight, the token embedding every Llama model has")
+        config["vocab_size"] = self.shapes["tok_embeddings.weight"][0]
+        head_dim = metadata(self.reader, "llama.attention.key_length")
+        if head_dim is not None:
+            config["head_dim"] = head_dim
+        scaling = metadata(self.reader, "llama.rope.scaling.type")
+        if scaling not in (None, "none"):
+            raise ValueError(f"{self.path}: RoPE scaling {scaling!r} is not Llama 3's; only Llama models load here")
+        if rope_freqs is not None:
+            config["rope_scaling"] = {"rope_type": "llama3", "factor": self.rope_factor(rope_freqs, config)}
+        params = hf_config_to_params(config, self.path)
+        if "output.weight" not in self.shapes:
+            params["tie_word_embeddings"] = True
+        return params
+
+    def rope_factor(self, rope_freqs, config: dict) -> float:
+        """The Llama 3.1 scaling factor whose frequency divisors `rope_freqs` holds (its largest), checked against
+        those `llama.model.apply_scaling` gives with it."""
+        divisors = torch.from_numpy(np.array(rope_freqs.data, dtype=np.float32).reshape(-1))
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        theta = config.get("rope_theta", 10000.0)
+        if divisors.numel() != head_dim // 2 or not torch.isfinite(divisors).all() or divisors.min() <= 0:
+            raise ValueError(f"{self.path}: {ROPE_FREQS} must hold {head_dim // 2} positive numbers, one a frequency")
+        factor = float(divisors.max())
+        freqs = rope_frequencies(head_dim, theta)
+        if not torch.allclose(freqs / apply_scaling(freqs, factor), divisors, rtol=1e-3) or not math.isfinite(factor):
+            raise ValueError(
+                f"{self.path}: {ROPE_FREQS} is not Llama 3.1's RoPE scaling (factor {factor:g}, low and high "
+                "frequency factors 1 and 4, original context 8192); no other scaling is supported"
+            )
+        return factor
+
+    def source(self, key: str) -> str:
+        return f"{self.path.name} ({self.tensors[key].name})"
+
+    def vocabulary(self) -> Dict[bytes, int]:
+        """The BPE ranks of the file's Llama 3 vocabulary (`llama.tokenizer.gguf_vocab.gguf_bpe_ranks`)."""
+        return read_gguf_ranks(self.path, self.reader)
+
+    def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None, dtype=None):
+        """The tensor `key` (or its slice along `dim`), float ones as stored, quantized ones dequantized into
+        `dtype` (float32 if None) a block of rows at a time."""
+        tensor, kind = self.tensors[key], self.types[key]
+        rows = tensor.data.reshape(self.shapes[key][0], -1) if len(self.shapes[key]) > 1 else tensor.data
+        if dim == 0:
+            rows, dim = rows[start : start + length], None
+        if kind in FLOAT_TYPES:  # BF16 comes as bytes: numpy has no bfloat16
+            values = torch.from_numpy(np.array(rows)).view(FLOAT_TYPES[kind])
+        else:
+            values = dequantized(rows, kind, dtype or torch.float32)
+        return values if dim is None else values.narrow(dim, start, length)
+
+
+def dequantized(rows: np.ndarray, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """Quantized `rows` (one array row of blocks per weight row; `kind` the GGUF type's name) as a (rows, columns)
+    tensor in `dtype`."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    kind = GGMLQuantizationType[kind]
+    parts = [
+        torch.from_numpy(dequantize(rows[i : i + ROWS_AT_A_TIME], kind)).to(dtype)
+        for i in range(0, rows.shape[0], ROWS_AT_A_TIME)
+    ]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
