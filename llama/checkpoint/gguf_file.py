@@ -81,6 +81,12 @@ def gguf_name(key: str) -> str:
     return f"{META_TO_GGUF_TOP_LEVEL[parts[0]]}.{parts[-1]}"
 
 
+def shortest(value):
+    """A float32 value of the file as the shortest decimal that gives it (1e-05, not 9.999999747378752e-06), as
+    config.json would have it; other values as they are."""
+    return float(str(np.float32(value))) if isinstance(value, float) else value
+
+
 def rope_frequencies(head_dim: int, theta: float) -> torch.Tensor:
     """RoPE's frequencies before scaling, as `llama.model.precompute_freqs_cis` computes them."""
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
@@ -148,7 +154,7 @@ class GGUFCheckpoint(CheckpointReader):
     def read_params(self, rope_freqs) -> dict:
         """Meta params from the `llama.*` metadata, checked as config.json's fields are; RoPE scaling from the
         `rope_freqs` tensor."""
-        values = {key: metadata(self.reader, key) for key in GGUF_CONFIG if key in self.reader.fields}
+        values = {key: shortest(metadata(self.reader, key)) for key in GGUF_CONFIG if key in self.reader.fields}
         check_fields(values, {key: HF_CONFIG_FIELDS[hf] for key, hf in GGUF_CONFIG.items()}, GGUF_REQUIRED, self.path)
         config = {GGUF_CONFIG[key]: value for key, value in values.items()}
         config["architectures"] = ["LlamaForCausalLM"]

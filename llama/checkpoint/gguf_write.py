@@ -1,7 +1,8 @@
 """A checkpoint written as a GGUF file, as llama.cpp's own converter writes a Llama model: its `llama.*` metadata,
 Llama 3's vocabulary with its merges (`llama.tokenizer.gguf_vocab`), Llama 3.1's RoPE scaling as `rope_freqs`, and
-its tensors in F32, F16 or BF16 (norms in F32, as llama.cpp keeps them), in Meta's q and k row order, which is
-llama.cpp's. Tensors are written one at a time: their headers first, then each tensor as it is read.
+its matrices in F32, F16, BF16, Q8_0, Q4_0 or Q4_1 (norms in F32, as llama.cpp keeps them), in Meta's q and k row
+order, which is llama.cpp's. Tensors are written one at a time: their headers first, then each tensor as it is
+read.
 """
 
 from pathlib import Path
@@ -24,13 +25,15 @@ from llama.tokenizer.gguf_vocab import (
     token_text,
 )
 
-GGUF_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # made by the gguf package's port of llama.cpp's reference quantizer
+GGUF_TYPES = (*FLOAT_TYPES, *QUANTIZED_TYPES)
 
 
 def write_gguf(reader: CheckpointReader, tokenizer_path: Optional[str], out: Path, file_type: str, bar) -> None:
     """Write `reader`'s model (with the vocabulary of the tokenizer at `tokenizer_path`, if given) to the GGUF file
-    `out`, its matrices in `file_type` ("F32", "F16" or "BF16"). `bar` wraps the tensor names as they are written
-    (a progress bar)."""
+    `out`, its matrices in `file_type` (one of `GGUF_TYPES`). `bar` wraps the tensor names as they are written (a
+    progress bar)."""
     import gguf
 
     from llama.checkpoint.params import model_args_from
@@ -47,7 +50,7 @@ def write_gguf(reader: CheckpointReader, tokenizer_path: Optional[str], out: Pat
     writer.add_rope_dimension_count(args.head_dim)
     writer.add_layer_norm_rms_eps(args.norm_eps)
     writer.add_vocab_size(args.vocab_size)
-    writer.add_file_type(getattr(gguf.LlamaFileType, "ALL_F32" if file_type == "F32" else f"MOSTLY_{file_type}"))
+    writer.add_file_type(gguf.LlamaFileType["ALL_F32" if file_type == "F32" else f"MOSTLY_{file_type}"])
     if tokenizer_path is not None:
         add_vocabulary(writer, tokenizer_path, "3.1" if args.use_scaled_rope else "3")
     else:
@@ -55,12 +58,17 @@ def write_gguf(reader: CheckpointReader, tokenizer_path: Optional[str], out: Pat
     tensors = {}  # GGUF name -> (Meta key or None for rope_freqs, GGUF type)
     if args.use_scaled_rope:
         tensors[ROPE_FREQS] = (None, "F32")
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[file_type]][0]
     for key, shape in reader.shapes.items():
-        tensors[gguf_name(key)] = (key, file_type if len(shape) > 1 else "F32")
+        fits = len(shape) > 1 and shape[-1] % block == 0  # a quantized type's blocks tile each row
+        tensors[gguf_name(key)] = (key, file_type if fits else "F32")
     for name, (key, kind) in tensors.items():
         shape = (args.head_dim // 2,) if key is None else tuple(reader.shapes[key])
-        nbytes = int(np.prod(shape)) * GGUF_TYPES[kind].itemsize
-        dtype = np.float32 if kind == "F32" else np.float16  # BF16 goes as raw bytes, with its type given
+        block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+        stored = (*shape[:-1], shape[-1] // block * type_bytes)  # in bytes, for a quantized type
+        dtype = {"F32": np.float32, "F16": np.float16}.get(kind, np.uint8)  # BF16 too goes as bytes
+        shape = stored if dtype is np.uint8 else shape
+        nbytes = int(np.prod(stored))
         writer.add_tensor_info(name, shape, np.dtype(dtype), nbytes, raw_dtype=gguf.GGMLQuantizationType[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -68,11 +76,19 @@ def write_gguf(reader: CheckpointReader, tokenizer_path: Optional[str], out: Pat
     for name in bar(list(tensors)):
         key, kind = tensors[name]
         values = rope_divisors(args) if key is None else reader.read_shard(key, 0, 1)
-        values = values.to(GGUF_TYPES[kind]).contiguous()
-        if kind == "BF16":
-            values = values.view(torch.int16)
-        writer.write_tensor_data(values.numpy())
+        writer.write_tensor_data(gguf_values(values, kind))
     writer.close()
+
+
+def gguf_values(values: torch.Tensor, kind: str) -> np.ndarray:
+    """`values` as the GGUF type `kind` stores them, in a numpy array (BF16 and quantized types: its bytes)."""
+    if kind in QUANTIZED_TYPES:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        return quantize(values.float().numpy(), GGMLQuantizationType[kind])
+    values = values.to(FLOAT_TYPES[kind]).contiguous()
+    return (values.view(torch.uint8) if kind == "BF16" else values).numpy()
 
 
 def rope_divisors(args) -> torch.Tensor:

@@ -45,8 +45,8 @@ def open_checkpoint(ckpt_dir) -> CheckpointReader:
     if not isinstance(ckpt_dir, (str, os.PathLike)):
         raise ValueError(f"ckpt_dir must be the path of a checkpoint folder, got {short_repr(ckpt_dir)}")
     ckpt_dir = Path(ckpt_dir)
-    if is_gguf_file(ckpt_dir):
-        return GGUFCheckpoint(ckpt_dir)
+    if is_gguf_file(ckpt_dir) or (ckpt_dir.is_file() and ckpt_dir.suffix == ".gguf"):
+        return GGUFCheckpoint(ckpt_dir)  # a file named .gguf that is not one is told so there
     if ckpt_dir.is_file():
         raise ValueError(
             f"{ckpt_dir} is a file, and not a GGUF file; pass the folder that holds it (ckpt_dir={ckpt_dir.parent})"

