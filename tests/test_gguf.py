@@ -264,3 +264,48 @@ def test_a_mutated_gguf_header_loads_or_is_a_value_error(bare_header, tmp_path, 
             reader.read(key)
     except ValueError:
         pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_a_4_bit_file_loads_as_int4_with_its_codes_kept(bare, kind):
+    """Each linear layer of a Q4_0 or Q4_1 file becomes int4 groups of 32 whose values are the file's own, as ggml
+    dequantizes them: exact in float32, no second rounding."""
+    from llama.quantize import dequantize
+
+    reader = open_checkpoint(bare[kind])
+    assert reader.params["quantization"] == {"scheme": "int4", "group_size": 32} and reader.note is None
+    for layer in reader.int4_layers:
+        tensor = reader.tensors[f"{layer}.weight"]
+        expected = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType[kind])
+        parts = [reader.read(f"{layer}.{part}") for part in ("weight", "scales", "zeros")]
+        assert torch.allclose(dequantize(*parts), torch.from_numpy(expected), rtol=0, atol=1e-6), layer
+
+
+@pytest.mark.slow
+def test_a_4_bit_file_s_other_layers_load_dequantized_and_the_load_report_says_so(bare, tokenizer_path, tmp_path):
+    """A Q4_0 file whose output head is Q8_0 (as llama.cpp's Q4 files keep a head of more bits): the head is not
+    rounded to 4 bits again but loads dequantized, the load report names it, and the logits are those of the
+    file's own values (float32, against the same file read wholly dequantized)."""
+    mixed = tmp_path / "mixed.gguf"
+    writer = gguf.GGUFWriter(str(mixed), "llama")
+    source = gguf.GGUFReader(bare["Q4_0"])
+    for field in source.fields.values():
+        if field.name.startswith("llama.") or field.name == "general.architecture":
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    heads = {t.name: t for t in gguf.GGUFReader(bare["Q8_0"]).tensors}
+    for tensor in source.tensors:
+        chosen = heads["output.weight"] if tensor.name == "output.weight" else tensor
+        writer.add_tensor(chosen.name, chosen.data, raw_dtype=chosen.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    build = dict(max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32")
+    generator = Llama.build(str(mixed), tokenizer_path, **build)
+    report = str(generator.load_report)
+    assert report.endswith("int4 (stored), model-parallel size 1; 1 of 15 layers dequantized, not int4 (1 Q8_0)")
+    hf_to_meta(mixed, tmp_path / "dequantized")  # every layer as the file's values, in float32
+    expected = Llama.build(str(tmp_path / "dequantized"), tokenizer_path, **build)
+    ids = generator.tokenizer.encode(PROMPT, bos=True, eos=False)
+    assert (logits(generator, ids) - logits(expected, ids)).abs().max() < 1e-4

@@ -34,11 +34,12 @@ from llama.checkpoint import (
     split_dim,
     write_meta_checkpoint,
 )
+from llama.checkpoint.gguf_file import GGUFCheckpoint
 from llama.checkpoint.gguf_write import GGUF_TYPES, write_gguf
 from llama.checkpoint.quantized import SAVED_DTYPE, quantize_for_saving, saved_shapes
 from llama.checkpoint.report import weights_bar
 from llama.quantize import check_group_size, check_scheme
-from llama.tokenizer.gguf_vocab import is_gguf_file, read_gguf_ranks
+from llama.tokenizer.gguf_vocab import gguf_reader, is_gguf_file, metadata, read_gguf_ranks
 
 
 def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -84,6 +85,8 @@ def hf_to_meta(src: Path, out_dir: Path, model_parallel_size: int = 1) -> None:
     reader = open_checkpoint(src)
     if reader.format == "meta":
         raise ValueError(f"{src} is a Meta checkpoint already; did you mean `to-hf`?")
+    if reader.format == "gguf" and reader.int4_layers:
+        reader = GGUFCheckpoint(Path(src), keep_int4=False)  # a floating-point checkpoint, every layer dequantized
     args, _ = model_args_from(reader.params)
     check_model_parallel_size(args, model_parallel_size, setting="--model_parallel_size")
     params = {k: v for k, v in reader.params.items() if k != "tie_word_embeddings"}
@@ -159,7 +162,10 @@ def copy_tokenizer(src: Path, out_dir: Path) -> Optional[Path]:
     """Copy the checkpoint's tokenizer.model along, if it has one; a GGUF file's vocabulary is written as one."""
     out = out_dir / "tokenizer.model"
     if is_gguf_file(src):
-        ranks = read_gguf_ranks(src)
+        reader = gguf_reader(src)
+        if metadata(reader, "tokenizer.ggml.tokens") is None:
+            return None
+        ranks = read_gguf_ranks(src, reader)
         out.write_bytes(b"".join(base64.b64encode(token) + b" %d\n" % rank for token, rank in ranks.items()))
         return out
     try:

@@ -1,6 +1,7 @@
 """GGUF files, the format of llama.cpp, ollama and LM Studio, read as a checkpoint: the model's shape from the
-`llama.*` metadata, its tensors under Meta's names, float ones as stored and quantized ones (Q8_0, Q4_0, Q4_K, ...)
-dequantized, one tensor at a time, by ggml's own `gguf` package.
+`llama.*` metadata, its tensors under Meta's names, float ones as stored and quantized ones (Q8_0, Q5_K, Q6_K, ...)
+dequantized, one tensor at a time, by ggml's own `gguf` package. A 4-bit file (most of its linear layers Q4_0, Q4_1
+or Q4_K) loads as int4, its codes kept (`llama.checkpoint.gguf_int4`): it reads as a quantized checkpoint would.
 
 llama.cpp's converter stores the q and k rows in Meta's interleaved RoPE order (it undoes Hugging Face's permutation),
 so a Llama GGUF's tensors are Meta's as they are. Llama 3.1 and later store their RoPE scaling as the tensor
@@ -10,6 +11,7 @@ Everything a file claims is checked before a weight is read: the magic number, t
 tensor's type, shape and extent inside the file. A problem is a ValueError naming the file.
 """
 
+import collections
 import math
 from pathlib import Path
 from typing import Dict, Optional
@@ -17,10 +19,12 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
+from llama.checkpoint.gguf_int4 import CODES_START, GROUP_SIZE, int4_from_blocks
 from llama.checkpoint.hf import hf_config_to_params
 from llama.checkpoint.params import HF_CONFIG_FIELDS, check_fields
-from llama.checkpoint.shards import CheckpointReader
+from llama.checkpoint.shards import LINEAR_LAYERS, CheckpointReader
 from llama.model import apply_scaling
+from llama.quantize import int4_group_for
 from llama.tokenizer.gguf_vocab import gguf_reader, metadata, read_gguf_ranks
 
 # GGUF metadata keys of a llama model -> the Hugging Face config.json fields they hold.
@@ -115,7 +119,8 @@ class GGUFCheckpoint(CheckpointReader):
 
     format = "gguf"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, keep_int4: bool = True):
+        """`keep_int4`: a 4-bit file loads as int4 (False: dequantized, as every other type)."""
         self.path = self.ckpt_dir = path
         self.reader = open_gguf(path)
         from gguf import GGMLQuantizationType
@@ -150,6 +155,43 @@ class GGUFCheckpoint(CheckpointReader):
         self.params = self.read_params(rope_freqs)
         linear = [self.types[key] for key in self.types if key.startswith("layers.")]
         self.dtype = FLOAT_TYPES.get(max(set(linear), key=linear.count), torch.bfloat16) if linear else torch.float32
+        self.int4_layers: Dict[str, str] = {}  # layer name -> GGUF type, for a 4-bit file's 4-bit linear layers
+        self.int4_cache = (None, {})
+        self.float_layers = frozenset()
+        if keep_int4 and linear and sum(kind in CODES_START for kind in linear) * 2 >= len(linear):
+            self.keep_int4()
+
+    def keep_int4(self) -> None:
+        """Present a 4-bit file as a quantized checkpoint (`llama.checkpoint.quantized`) of int4 in groups of 32:
+        each 4-bit linear layer's codes, scales and zeros (`llama.checkpoint.gguf_int4`) in place of its weight. Its
+        linear layers of other types (llama.cpp keeps some, the head often, in Q6_K or Q8_0) stay floating point,
+        dequantized: quantizing them to 4 bits would round them a second time, and the head is the most sensitive.
+        A tied head of 4 bits becomes an int4 layer of its own, made from the embedding, as a quantized checkpoint
+        stores it."""
+        if "output.weight" not in self.shapes:
+            if self.types["tok_embeddings.weight"] in CODES_START:
+                for table in (self.tensors, self.types, self.shapes, self.dtypes):
+                    table["output.weight"] = table["tok_embeddings.weight"]
+                self.params.pop("tie_word_embeddings", None)
+            else:
+                self.float_layers |= {"output"}  # tied to the embedding, as it loads
+        linear = [key for key in self.shapes if key.split(".")[-2] in LINEAR_LAYERS]
+        for key in linear:
+            rows, cols = self.shapes[key]
+            layer = key.removesuffix(".weight")
+            if self.types[key] not in CODES_START or int4_group_for(rows, cols, GROUP_SIZE) != GROUP_SIZE:
+                self.float_layers |= {layer}
+                continue
+            self.int4_layers[layer] = self.types.pop(key)
+            self.shapes[key], self.dtypes[key] = torch.Size([rows, cols // 2]), torch.uint8
+            for part in ("scales", "zeros"):
+                self.shapes[f"{layer}.{part}"] = torch.Size([rows, cols // GROUP_SIZE])
+                self.dtypes[f"{layer}.{part}"] = torch.float32
+        self.params["quantization"] = {"scheme": "int4", "group_size": GROUP_SIZE}
+        if self.float_layers:
+            kinds = collections.Counter(self.types.get(f"{layer}.weight", "tied") for layer in self.float_layers)
+            named = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+            self.note = f"{len(self.float_layers)} of {len(linear)} layers dequantized, not int4 ({named})"
 
     def read_params(self, rope_freqs) -> dict:
         """Meta params from the `llama.*` metadata, checked as config.json's fields are; RoPE scaling from the
@@ -200,7 +242,13 @@ class GGUFCheckpoint(CheckpointReader):
 
     def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None, dtype=None):
         """The tensor `key` (or its slice along `dim`), float ones as stored, quantized ones dequantized into
-        `dtype` (float32 if None) a block of rows at a time."""
+        `dtype` (float32 if None) a block of rows at a time; of a 4-bit file's linear layers, the int4 parts."""
+        layer, _, part = key.rpartition(".")
+        if layer in self.int4_layers:
+            values = self.int4_parts(layer, dim, start, length)[part]
+            if dtype is not None and values.is_floating_point():
+                values = values.to(dtype)
+            return values.narrow(dim, start, length) if dim == 1 else values
         tensor, kind = self.tensors[key], self.types[key]
         rows = tensor.data.reshape(self.shapes[key][0], -1) if len(self.shapes[key]) > 1 else tensor.data
         if dim == 0:
@@ -210,6 +258,19 @@ class GGUFCheckpoint(CheckpointReader):
         else:
             values = dequantized(rows, kind, dtype or torch.float32)
         return values if dim is None else values.narrow(dim, start, length)
+
+    def int4_parts(self, layer: str, dim: Optional[int], start: int, length: Optional[int]) -> dict:
+        """A linear layer's int4 parts (of rows [start, start + length) where `dim` is 0), made once for the three
+        reads of them that a load makes in a row."""
+        rows_wanted = (start, length) if dim == 0 else None
+        if self.int4_cache[0] != (layer, rows_wanted):
+            key, kind = f"{layer}.weight", self.int4_layers[layer]
+            rows = self.tensors[key].data.reshape(self.shapes[key][0], -1)
+            if dim == 0:
+                rows = rows[start : start + length]
+            parts = int4_from_blocks(np.array(rows), kind)
+            self.int4_cache = ((layer, rows_wanted), parts)
+        return self.int4_cache[1]
 
 
 def dequantized(rows: np.ndarray, kind: str, dtype: torch.dtype) -> torch.Tensor:

@@ -112,7 +112,8 @@ def load_model(
 
     With `quantize`, each linear layer is quantized as soon as its weight is read (`llama.quantize`), so that at
     most one layer's weight is held in `dtype` at a time. A quantized checkpoint (its params.json has
-    "quantization") gives its layers as they are stored, and `quantize` must then be its scheme or None.
+    "quantization") gives its layers as they are stored, and `quantize` must then be its scheme or None; the
+    layers it keeps in floating point (`reader.float_layers`) load as they are.
     """
     check_model_parallel_size(model_args, mp_size, len(reader.files) if isinstance(reader, MetaCheckpoint) else None)
     saved = saved_quantization(reader.params, reader.ckpt_dir / META_PARAMS)
@@ -125,7 +126,7 @@ def load_model(
     linear = (ColumnParallelLinear, RowParallelLinear)
     stored = {name: {} for name, m in model.named_modules() if isinstance(m, linear)}  # name -> stored shapes
     if saved:
-        for name in stored:
+        for name in set(stored) - reader.float_layers:
             layer = model.get_submodule(name)
             stored[name] = saved_shapes(*whole_shape(layer), isinstance(layer, RowParallelLinear), *saved, mp_size)
         expected_shapes = with_quantized_shapes(expected_shapes, stored)
@@ -133,11 +134,11 @@ def load_model(
     weights_read = rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device)
     for key, tensor in weights_bar(weights_read, len(expected_shapes), bar_rank):
         name, _, field = key.rpartition(".")
-        if name in stored and saved:  # a layer is built once all its stored tensors are read
+        if stored.get(name):  # a quantized checkpoint's layer, built once all its stored tensors are read
             parts.setdefault(name, {})[field] = tensor
             if len(parts[name]) == len(stored[name]):
                 model.set_submodule(name, layer_from_saved(model.get_submodule(name), **parts.pop(name)))
-        elif name in stored and quantize:
+        elif name in stored and quantize and not saved:
             layer = model.get_submodule(name)
             layer.weight = torch.nn.Parameter(tensor, requires_grad=False)
             model.set_submodule(name, quantize_layer(layer, quantize, group_size))
@@ -154,7 +155,7 @@ def with_quantized_shapes(float_shapes: Dict[str, torch.Size], stored: Dict[str,
     shapes = {}
     for key, shape in float_shapes.items():
         name = key.removesuffix(".weight")
-        if name in stored:
+        if stored.get(name):
             shapes.update({f"{name}.{field}": field_shape for field, field_shape in stored[name].items()})
         else:
             shapes[key] = shape
@@ -230,9 +231,8 @@ def load_checkpoint(
         )
     mp_rank = fs_init.get_model_parallel_rank()
     model = load_model(reader, model_args, mp_rank, model_parallel_size, device, dtype, quantize, bar_rank=rank)
-    report = LoadReport(
-        reader.format, device, dtype, quantize, bool(saved), model_parallel_size, time.time() - start_time
-    )
+    seconds = time.time() - start_time
+    report = LoadReport(reader.format, device, dtype, quantize, bool(saved), model_parallel_size, seconds, reader.note)
     return model, tokenizer, report
 
 

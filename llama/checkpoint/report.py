@@ -28,6 +28,7 @@ class LoadReport:
     stored_quantized: bool  # the checkpoint holds quantized weights (`python -m llama.convert quantize`)
     model_parallel_size: int
     seconds: float
+    note: Optional[str] = None  # the checkpoint's own word on its weights (`CheckpointReader.note`)
 
     def __str__(self) -> str:
         layout = FORMAT_NAMES.get(self.format, self.format)
@@ -38,7 +39,7 @@ class LoadReport:
         dtype = str(self.dtype).removeprefix("torch.")
         return (
             f"Loaded in {self.seconds:.2f} seconds: {layout} checkpoint, device {self.device}, dtype {dtype}, "
-            f"{quantized}, model-parallel size {self.model_parallel_size}"
+            f"{quantized}, model-parallel size {self.model_parallel_size}{f'; {self.note}' if self.note else ''}"
         )
 
 

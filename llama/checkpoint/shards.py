@@ -6,7 +6,7 @@ of shards on disk: that is how an 8-shard 70B runs on 2 GPUs, or a 1-shard 8B on
 """
 
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -63,6 +63,8 @@ class CheckpointReader:
     dtype: torch.dtype  # dtype the weights are stored in
     shapes: Dict[str, torch.Size]  # full, unsharded shapes of the model's tensors (IGNORED_KEYS left out)
     dtypes: Dict[str, torch.dtype]  # the dtype each of them is stored in
+    note: Optional[str] = None  # what the load report must add about the weights (a GGUF's layers of other types)
+    float_layers: FrozenSet[str] = frozenset()  # of a quantized checkpoint, the linear layers kept in floating point
 
     def source(self, key: str) -> str:
         """Where `key` lives, for error messages."""
