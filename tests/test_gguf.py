@@ -3,6 +3,7 @@ GGUF loads with the same logits, its vocabulary tokenizes as tokenizer.model doe
 transformers' GGUF loader reads them, the real SmolLM2 GGUF computes what transformers computes, and damaged files
 are clear errors."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -309,3 +310,46 @@ def test_a_4_bit_file_s_other_layers_load_dequantized_and_the_load_report_says_s
     expected = Llama.build(str(tmp_path / "dequantized"), tokenizer_path, **build)
     ids = generator.tokenizer.encode(PROMPT, bos=True, eos=False)
     assert (logits(generator, ids) - logits(expected, ids)).abs().max() < 1e-4
+
+
+def ollama_store_with(blob: Path, store: Path, name: str = "tiny", tag: str = "latest") -> None:
+    """A store laid out as ollama lays out its own: a manifest naming `blob` (copied in under its digest)."""
+    import hashlib
+
+    digest = hashlib.sha256(blob.read_bytes()).hexdigest()
+    (store / "blobs").mkdir(parents=True, exist_ok=True)
+    shutil.copy(blob, store / "blobs" / f"sha256-{digest}")
+    manifest = store / "manifests" / "registry.ollama.ai" / "library" / name / tag
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    layers = [
+        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "0" * 64, "size": 1},
+        {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}", "size": blob.stat().st_size},
+    ]
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
+
+
+def test_an_ollama_model_name_opens_its_blob_from_the_store(bare, tmp_path, monkeypatch):
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "models"))
+    ollama_store_with(bare["F32"], tmp_path / "models")
+    expected = open_checkpoint(bare["F32"])
+    for name in ("ollama:tiny", "ollama:tiny:latest", "ollama:library/tiny"):
+        reader = open_checkpoint(name)
+        assert reader.format == "gguf" and reader.params == expected.params
+        assert reader.path.name.startswith("sha256-")
+    with pytest.raises(FileNotFoundError, match=r"ollama has no model llama3.2:1b in .*ollama pull llama3.2:1b"):
+        open_checkpoint("ollama:llama3.2:1b")
+    with pytest.raises(ValueError, match="is not an ollama model name"):
+        open_checkpoint("ollama:../../etc:x")
+
+
+def test_a_folder_holding_one_gguf_file_opens_it(bare, tmp_path):
+    """A Hugging Face cache entry of a GGUF repository (snapshots/<revision>/FILE.gguf) works as a path; a folder of
+    several GGUF files asks for one of them."""
+    snapshot = tmp_path / "models--someone--tiny-GGUF" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "tiny.Q8_0.gguf").symlink_to(bare["Q8_0"])  # as the cache links each file to its blob
+    assert open_checkpoint(snapshot.parents[1]).path == snapshot / "tiny.Q8_0.gguf"
+    assert open_checkpoint(snapshot).path == snapshot / "tiny.Q8_0.gguf"
+    (snapshot / "tiny.F32.gguf").symlink_to(bare["F32"])
+    with pytest.raises(ValueError, match=r"holds several GGUF files \(tiny.F32.gguf, tiny.Q8_0.gguf\)"):
+        open_checkpoint(snapshot)

@@ -367,3 +367,23 @@ def test_survivor_gives_up_on_lost_node(fault, checkpoint, broken_checkpoints, t
         assert "timed out" in run.stderrs[0].lower(), run.stderrs[0][-3000:]
     if fault == "truncated":  # node 0 waited for node 1 to join the group, up to the timeout
         assert "timeout" in run.stderrs[0].lower(), run.stderrs[0][-3000:]
+
+
+def test_a_gguf_file_is_sliced_per_rank(checkpoint, reference, tokenizer_path, tmp_path):
+    """Each process reads its slice of an F32 GGUF: the native 2-shard layout's weights, bit for bit; and a Q4_0
+    file's int4 layers (their codes kept) give two processes one process's greedy tokens."""
+    from llama.checkpoint.convert import to_gguf
+
+    to_gguf(checkpoint("gqa", 1), tmp_path / "gqa.gguf", "F32")
+    run = launch(single_node(2), tmp_path / "gqa.gguf", tokenizer_path, tmp_path / "out")
+    assert run.returncodes == [0], run.stderrs[0]
+    ranks = run.results(2)
+    for rank in ranks:
+        assert rank["weights"] == expected_digests("gqa", 2)[rank["rank"]], f"rank {rank['rank']}"
+    assert ranks[0]["greedy"] == reference("gqa")["greedy"]
+    to_gguf(checkpoint("quant", 1), tmp_path / "quant.gguf", "Q4_0")
+    one = launch(plain_python(), tmp_path / "quant.gguf", tokenizer_path, tmp_path / "one")
+    two = launch(single_node(2), tmp_path / "quant.gguf", tokenizer_path, tmp_path / "two")
+    assert one.returncodes == two.returncodes == [0], (one.stderrs, two.stderrs)
+    greedy = one.results(1)[0]["greedy"]
+    assert len({tuple(row) for row in greedy}) == 4 and two.results(2)[0]["greedy"] == greedy

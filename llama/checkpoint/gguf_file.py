@@ -64,7 +64,7 @@ META_TO_GGUF_BLOCK = {meta: name for name, meta in GGUF_BLOCK.items()}
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DEQUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's RoPE scaling, as llama.cpp stores it
-ROWS_AT_A_TIME = 4096  # rows dequantized together: bounds the float32 copy a quantized tensor passes through
+ROWS_AT_A_TIME = 4096  # rows dequantized together: bounds the float32 copies a quantized tensor passes through
 
 
 def meta_key(name: str) -> Optional[str]:
@@ -268,7 +268,11 @@ class GGUFCheckpoint(CheckpointReader):
             rows = self.tensors[key].data.reshape(self.shapes[key][0], -1)
             if dim == 0:
                 rows = rows[start : start + length]
-            parts = int4_from_blocks(np.array(rows), kind)
+            chunks = [
+                int4_from_blocks(np.array(rows[i : i + ROWS_AT_A_TIME]), kind)
+                for i in range(0, len(rows), ROWS_AT_A_TIME)
+            ]
+            parts = {part: torch.cat([chunk[part] for chunk in chunks]) for part in chunks[0]}
             self.int4_cache = ((layer, rows_wanted), parts)
         return self.int4_cache[1]
 

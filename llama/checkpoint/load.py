@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llama.arguments import short_repr
 from llama.checkpoint.gguf_file import GGUFCheckpoint
 from llama.checkpoint.hf import HuggingFaceCheckpoint
+from llama.checkpoint.locate import checkpoint_path, is_ollama_name
 from llama.checkpoint.meta import MetaCheckpoint
 from llama.checkpoint.params import (
     BUILD_FIELDS,
@@ -41,10 +42,11 @@ logger = logging.getLogger(__name__)
 
 
 def open_checkpoint(ckpt_dir) -> CheckpointReader:
-    """Open a Meta (params.json) or Hugging Face (config.json) checkpoint folder, or a GGUF file."""
+    """Open a Meta (params.json) or Hugging Face (config.json) checkpoint folder, or a GGUF file (also named as
+    `llama.checkpoint.locate` reads names: an ollama model, a folder that holds one GGUF file)."""
     if not isinstance(ckpt_dir, (str, os.PathLike)):
         raise ValueError(f"ckpt_dir must be the path of a checkpoint folder, got {short_repr(ckpt_dir)}")
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = checkpoint_path(ckpt_dir)
     if is_gguf_file(ckpt_dir) or (ckpt_dir.is_file() and ckpt_dir.suffix == ".gguf"):
         return GGUFCheckpoint(ckpt_dir)  # a file named .gguf that is not one is told so there
     if ckpt_dir.is_file():
@@ -72,8 +74,10 @@ def find_tokenizer(ckpt_dir, tokenizer_path: Optional[str] = None) -> str:
     """
     if tokenizer_path is not None:
         return str(tokenizer_path)  # checked as it is read
-    if is_gguf_file(ckpt_dir):
-        return str(ckpt_dir)  # its vocabulary is inside
+    if is_ollama_name(ckpt_dir) or os.path.exists(ckpt_dir):
+        located = checkpoint_path(ckpt_dir)
+        if is_gguf_file(located):
+            return str(located)  # its vocabulary is inside
     candidates = [blobfile.join(str(ckpt_dir), name) for name in ("tokenizer.model", "original/tokenizer.model")]
     for candidate in candidates:
         if blobfile.exists(candidate) and not blobfile.isdir(candidate):

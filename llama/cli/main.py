@@ -52,7 +52,7 @@ COMPLETE_HELP = "Continue PROMPT (or what stdin holds) with a base model; the ne
 
 def add_model_flags(parser: argparse.ArgumentParser, max_gen_len: Optional[int]) -> None:
     """The flags `chat` and `complete` share: where the model is, how it runs, how it samples."""
-    parser.add_argument("ckpt_dir", help="checkpoint folder, Meta's layout or Hugging Face's")
+    parser.add_argument("ckpt_dir", help="checkpoint: a Meta or Hugging Face folder, a GGUF file, or ollama:NAME[:TAG]")
     parser.add_argument("--tokenizer_path", help="the tokenizer.model file (default: looked for in ckpt_dir)")
     parser.add_argument("--max_seq_len", type=int, default=2048, help="tokens the KV cache holds (default 2048)")
     parser.add_argument("--max_batch_size", type=int, default=1, help="rows of the KV cache (default 1)")

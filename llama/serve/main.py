@@ -25,7 +25,9 @@ def parse_args(argv: Optional[List[str]], prog: Optional[str] = None) -> argpars
         prog=prog or "python -m llama.serve",
         description="Serve a checkpoint over OpenAI's HTTP API, with continuous batching.",
     )
-    parser.add_argument("checkpoint", nargs="?", help="Meta or Hugging Face checkpoint folder (or --ckpt_dir)")
+    parser.add_argument(
+        "checkpoint", nargs="?", help="Meta or Hugging Face folder, GGUF file or ollama:NAME (or --ckpt_dir)"
+    )
     parser.add_argument("--ckpt_dir", help="the checkpoint folder, as the example scripts name it")
     parser.add_argument("--tokenizer_path", help="tokenizer.model (default: looked for in ckpt_dir)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
