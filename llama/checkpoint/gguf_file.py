@@ -19,7 +19,7 @@ from typing import Dict, Optional
 import numpy as np
 import torch
 
-from llama.checkpoint.gguf_int4 import CODES_START, GROUP_SIZE, int4_from_blocks
+from llama.checkpoint.gguf_int4 import BLOCKS, GROUP_SIZE, int4_from_blocks
 from llama.checkpoint.hf import hf_config_to_params
 from llama.checkpoint.params import HF_CONFIG_FIELDS, check_fields
 from llama.checkpoint.shards import LINEAR_LAYERS, CheckpointReader
@@ -158,7 +158,7 @@ class GGUFCheckpoint(CheckpointReader):
         self.int4_layers: Dict[str, str] = {}  # layer name -> GGUF type, for a 4-bit file's 4-bit linear layers
         self.int4_cache = (None, {})
         self.float_layers = frozenset()
-        if keep_int4 and linear and sum(kind in CODES_START for kind in linear) * 2 >= len(linear):
+        if keep_int4 and linear and sum(kind in BLOCKS for kind in linear) * 2 >= len(linear):
             self.keep_int4()
 
     def keep_int4(self) -> None:
@@ -169,7 +169,7 @@ class GGUFCheckpoint(CheckpointReader):
         A tied head of 4 bits becomes an int4 layer of its own, made from the embedding, as a quantized checkpoint
         stores it."""
         if "output.weight" not in self.shapes:
-            if self.types["tok_embeddings.weight"] in CODES_START:
+            if self.types["tok_embeddings.weight"] in BLOCKS:
                 for table in (self.tensors, self.types, self.shapes, self.dtypes):
                     table["output.weight"] = table["tok_embeddings.weight"]
                 self.params.pop("tie_word_embeddings", None)
@@ -179,7 +179,7 @@ class GGUFCheckpoint(CheckpointReader):
         for key in linear:
             rows, cols = self.shapes[key]
             layer = key.removesuffix(".weight")
-            if self.types[key] not in CODES_START or int4_group_for(rows, cols, GROUP_SIZE) != GROUP_SIZE:
+            if self.types[key] not in BLOCKS or int4_group_for(rows, cols, GROUP_SIZE) != GROUP_SIZE:
                 self.float_layers |= {layer}
                 continue
             self.int4_layers[layer] = self.types.pop(key)
