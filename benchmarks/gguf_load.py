@@ -122,6 +122,16 @@ def fidelity(opts) -> None:
     from helpers import smollm2_gguf
 
     path = smollm2_gguf()
+    smol = {}
+    for kind in ("F32", "F16"):  # its Q4_1 weights dequantized, then written as F32 and F16
+        smol[kind] = opts.workdir / f"smollm2-{kind}.gguf"
+        if not smol[kind].is_file():
+            to_gguf(path, smol[kind], kind)
+    ours_smol32 = run("ours", smol["F32"], SMOLLM2_PROMPT, opts.workdir, "float32")[1]
+    cpp_smol32 = {kind: run("llama.cpp", file, SMOLLM2_PROMPT, opts.workdir)[1] for kind, file in smol.items()}
+    print("- SmolLM2-135M-Instruct, dequantized to F32 and F16 files:")
+    print(f"  ours (float32) against llama.cpp, F32 file: {np.abs(ours_smol32 - cpp_smol32['F32']).max():.2e}")
+    print(f"  llama.cpp F32 file against llama.cpp F16 file: {np.abs(cpp_smol32['F32'] - cpp_smol32['F16']).max():.2e}")
     figures, ours_smol = run("ours", path, SMOLLM2_PROMPT, opts.workdir, "float32")
     cpp_smol = run("llama.cpp", path, SMOLLM2_PROMPT, opts.workdir)[1]
     difference = np.abs(ours_smol - cpp_smol)

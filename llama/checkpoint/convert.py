@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from llama.checkpoint import (
     LINEAR_LAYERS,
     META_PARAMS,
+    CheckpointReader,
     atomic_output_dir,
     check_model_parallel_size,
     check_new_output_dir,
@@ -82,11 +83,9 @@ def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> No
 def hf_to_meta(src: Path, out_dir: Path, model_parallel_size: int = 1) -> None:
     """Write a Meta folder (params.json, consolidated.NN.pth) for a Hugging Face checkpoint or a GGUF file (its
     quantized tensors dequantized, in float32: exactly the values llama.cpp computes with)."""
-    reader = open_checkpoint(src)
+    reader = floating_point(open_checkpoint(src))
     if reader.format == "meta":
         raise ValueError(f"{src} is a Meta checkpoint already; did you mean `to-hf`?")
-    if reader.format == "gguf" and reader.int4_layers:
-        reader = GGUFCheckpoint(Path(src), keep_int4=False)  # a floating-point checkpoint, every layer dequantized
     args, _ = model_args_from(reader.params)
     check_model_parallel_size(args, model_parallel_size, setting="--model_parallel_size")
     params = {k: v for k, v in reader.params.items() if k != "tie_word_embeddings"}
@@ -174,16 +173,23 @@ def copy_tokenizer(src: Path, out_dir: Path) -> Optional[Path]:
         return None
 
 
+def floating_point(reader: CheckpointReader) -> CheckpointReader:
+    """`reader`, or for a 4-bit GGUF file (which reads as int4) the same file with every layer dequantized."""
+    if reader.format == "gguf" and reader.int4_layers:
+        return GGUFCheckpoint(reader.path, keep_int4=False)
+    return reader
+
+
 def to_gguf(src: Path, out: Path, file_type: str = "BF16") -> None:
-    """Write a Meta or Hugging Face checkpoint as the GGUF file `out`, its matrices in `file_type` ("F32", "F16"
-    or "BF16"), with its tokenizer.model's vocabulary where it has one. llama.cpp's `llama-quantize` makes the
-    quantized types from it."""
+    """Write a Meta or Hugging Face checkpoint (or a GGUF file: dequantized, without a vocabulary) as the GGUF file
+    `out`, its matrices in `file_type` (one of `GGUF_TYPES`), with its tokenizer.model's vocabulary where it has
+    one. llama.cpp's `llama-quantize` makes the other quantized types from it."""
     if file_type not in GGUF_TYPES:
         raise ValueError(f"--type must be one of {', '.join(GGUF_TYPES)}, got {file_type!r}")
     src, out = Path(src), Path(out)
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new file name or remove it")
-    reader = open_checkpoint(src)
+    reader = floating_point(open_checkpoint(src))
     if saved_quantization(reader.params, src / META_PARAMS):
         raise ValueError(f"{src} holds this project's quantized weights; convert the floating-point checkpoint")
     try:

@@ -249,15 +249,30 @@ class GGUFCheckpoint(CheckpointReader):
             if dtype is not None and values.is_floating_point():
                 values = values.to(dtype)
             return values.narrow(dim, start, length) if dim == 1 else values
-        tensor, kind = self.tensors[key], self.types[key]
-        rows = tensor.data.reshape(self.shapes[key][0], -1) if len(self.shapes[key]) > 1 else tensor.data
-        if dim == 0:
-            rows, dim = rows[start : start + length], None
-        if kind in FLOAT_TYPES:  # BF16 comes as bytes: numpy has no bfloat16
-            values = torch.from_numpy(np.array(rows)).view(FLOAT_TYPES[kind])
+        kind = self.types[key]
+        rows = self.rows(key, start, length) if dim == 0 else self.rows(key)
+        dim = None if dim == 0 else dim
+        if kind in FLOAT_TYPES:
+            values = torch.from_numpy(rows).view(FLOAT_TYPES[kind])
+            values = values.view(self.shapes[key]) if len(self.shapes[key]) == 1 else values
         else:
             values = dequantized(rows, kind, dtype or torch.float32)
         return values if dim is None else values.narrow(dim, start, length)
+
+    def rows(self, key: str, start: int = 0, length: Optional[int] = None) -> np.ndarray:
+        """The stored bytes of rows [start, start + length) of `key` (all rows by default), one array row per weight
+        row (a 1-D tensor: one row). Read from the file, not through its memory map, whose pages would count in
+        this process's resident memory until the process ends."""
+        tensor = self.tensors[key]
+        n_rows = self.shapes[key][0] if len(self.shapes[key]) > 1 else 1
+        row_bytes = int(tensor.n_bytes) // n_rows
+        length = n_rows - start if length is None else length
+        with open(self.path, "rb") as f:
+            f.seek(int(tensor.data_offset) + start * row_bytes)
+            data = f.read(length * row_bytes)
+        if len(data) != length * row_bytes:
+            raise ValueError(f"{self.path}: tensor {tensor.name} ends past the end of the file; it is truncated")
+        return np.frombuffer(bytearray(data), dtype=np.uint8).reshape(length, row_bytes)
 
     def int4_parts(self, layer: str, dim: Optional[int], start: int, length: Optional[int]) -> dict:
         """A linear layer's int4 parts (of rows [start, start + length) where `dim` is 0), made once for the three
@@ -265,13 +280,8 @@ class GGUFCheckpoint(CheckpointReader):
         rows_wanted = (start, length) if dim == 0 else None
         if self.int4_cache[0] != (layer, rows_wanted):
             key, kind = f"{layer}.weight", self.int4_layers[layer]
-            rows = self.tensors[key].data.reshape(self.shapes[key][0], -1)
-            if dim == 0:
-                rows = rows[start : start + length]
-            chunks = [
-                int4_from_blocks(np.array(rows[i : i + ROWS_AT_A_TIME]), kind)
-                for i in range(0, len(rows), ROWS_AT_A_TIME)
-            ]
+            rows = self.rows(key, start, length) if dim == 0 else self.rows(key)
+            chunks = [int4_from_blocks(rows[i : i + ROWS_AT_A_TIME], kind) for i in range(0, len(rows), ROWS_AT_A_TIME)]
             parts = {part: torch.cat([chunk[part] for chunk in chunks]) for part in chunks[0]}
             self.int4_cache = ((layer, rows_wanted), parts)
         return self.int4_cache[1]
@@ -284,8 +294,9 @@ def dequantized(rows: np.ndarray, kind: str, dtype: torch.dtype) -> torch.Tensor
     from gguf.quants import dequantize
 
     kind = GGMLQuantizationType[kind]
-    parts = [
-        torch.from_numpy(dequantize(rows[i : i + ROWS_AT_A_TIME], kind)).to(dtype)
-        for i in range(0, rows.shape[0], ROWS_AT_A_TIME)
-    ]
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
+    out = None
+    for i in range(0, rows.shape[0], ROWS_AT_A_TIME):  # filled in place: no second copy of the whole tensor
+        block = torch.from_numpy(dequantize(rows[i : i + ROWS_AT_A_TIME], kind))
+        out = torch.empty(rows.shape[0], block.shape[1], dtype=dtype) if out is None else out
+        out[i : i + len(block)] = block
+    return out
