@@ -1,9 +1,10 @@
 """Checkpoint I/O, one concern a module: `params` (params.json and config.json as read), `shards` (how model
-parallelism splits the tensors, each rank's share), `meta` and `hf` (the two folder formats, read through one
-`CheckpointReader`), `quantized` (the quantized checkpoint format), `load` (the load sequence of `Llama.build`),
-`report` (what a load tells the person waiting), `write` (Meta checkpoints written), `convert` (between the
-formats, or quantized; `llama convert`'s work) and `random_weights` (a model to try things on). The names below are the
-ones the rest of the package, the tools and the tests use.
+parallelism splits the tensors, each rank's share), `meta`, `hf` and `gguf_file` (the two folder formats and GGUF
+files, read through one `CheckpointReader`; `gguf_int4` keeps a 4-bit file's codes, `gguf_write` writes GGUF,
+`locate` finds ollama models), `quantized` (the quantized checkpoint format), `load` (the load sequence of
+`Llama.build`), `report` (what a load tells the person waiting), `write` (Meta checkpoints written), `convert`
+(between the formats, or quantized; `llama convert`'s work) and `random_weights` (a model to try things on). The
+names below are the ones the rest of the package, the tools and the tests use.
 """
 
 from llama.checkpoint.hf import (
