@@ -38,9 +38,9 @@ def meta(tmp_path_factory, tokenizer_path):
 
 @pytest.fixture(scope="module")
 def files(meta):
-    """The checkpoint as GGUF files, with its vocabulary: F32, BF16 and Q8_0."""
+    """The checkpoint as GGUF files, with its vocabulary: F32 and BF16."""
     made = {}
-    for kind in ("F32", "BF16", "Q8_0"):
+    for kind in ("F32", "BF16"):
         made[kind] = meta.with_name(f"tiny-{kind}.gguf")
         to_gguf(meta, made[kind], kind)
     return made
@@ -282,6 +282,18 @@ def test_a_4_bit_file_loads_as_int4_with_its_codes_kept(bare, kind):
         expected = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType[kind])
         parts = [reader.read(f"{layer}.{part}") for part in ("weight", "scales", "zeros")]
         assert torch.allclose(dequantize(*parts), torch.from_numpy(expected), rtol=0, atol=1e-6), layer
+
+
+def test_each_rank_reads_its_slice_of_a_4_bit_file_s_int4_layers(bare):
+    """Under model parallelism each process reads its part of every int4 layer (rows of column-parallel layers,
+    groups of row-parallel ones): the parts join to the whole."""
+    reader = open_checkpoint(bare["Q4_0"])
+    layers = [layer for layer in reader.int4_layers if layer.startswith(("layers.0.", "output"))]
+    assert len(layers) == 8  # wq, wk, wv, wo, w1, w2, w3 and the head
+    for key in [f"{layer}.{part}" for layer in layers for part in ("weight", "scales", "zeros")]:
+        dim = 1 if key.split(".")[-2] in ("wo", "w2") else 0
+        parts = [reader.read_shard(key, rank, 2) for rank in range(2)]
+        assert torch.equal(torch.cat(parts, dim=dim), reader.read_shard(key, 0, 1)), key
 
 
 @pytest.mark.slow

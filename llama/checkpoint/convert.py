@@ -77,7 +77,7 @@ def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> No
             print(f"[{index + 1}/{len(groups)}] wrote {file_name} ({len(keys)} tensors)", flush=True)
         index_json = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (tmp_dir / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
-        copy_tokenizer(src, tmp_dir)
+        copy_tokenizer(src, tmp_dir, reader)
 
 
 def hf_to_meta(src: Path, out_dir: Path, model_parallel_size: int = 1) -> None:
@@ -97,7 +97,7 @@ def hf_to_meta(src: Path, out_dir: Path, model_parallel_size: int = 1) -> None:
             save_shard(shard, tmp_dir / f"consolidated.{rank:02d}.pth")
             print(f"[{rank + 1}/{model_parallel_size}] wrote consolidated.{rank:02d}.pth", flush=True)
             del shard
-        copy_tokenizer(src, tmp_dir)
+        copy_tokenizer(src, tmp_dir, reader)
 
 
 def quantize_checkpoint(
@@ -157,11 +157,12 @@ def group_by_size(shapes: Dict[str, torch.Size], dtype: torch.dtype, max_bytes: 
         yield group
 
 
-def copy_tokenizer(src: Path, out_dir: Path) -> Optional[Path]:
-    """Copy the checkpoint's tokenizer.model along, if it has one; a GGUF file's vocabulary is written as one."""
+def copy_tokenizer(src: Path, out_dir: Path, checkpoint: Optional[CheckpointReader] = None) -> Optional[Path]:
+    """Copy the checkpoint's tokenizer.model along, if it has one; a GGUF file's vocabulary is written as one (read
+    through `checkpoint`'s reader, where it is open)."""
     out = out_dir / "tokenizer.model"
     if is_gguf_file(src):
-        reader = gguf_reader(src)
+        reader = checkpoint.reader if checkpoint is not None and checkpoint.format == "gguf" else gguf_reader(src)
         if metadata(reader, "tokenizer.ggml.tokens") is None:
             return None
         ranks = read_gguf_ranks(src, reader)
