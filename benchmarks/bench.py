@@ -171,9 +171,9 @@ def timed(fn, device: str, repeats: int = REPEATS) -> float:
 
 
 def peak_memory_mb(device: str) -> float:
-    import torch
-
     if device.startswith("cuda"):
+        import torch  # on the CPU, a worker that has not imported torch (llama.cpp's) measures without it
+
         return torch.cuda.max_memory_allocated() / 2**20
     # VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork and exec.
     status = Path("/proc/self/status").read_text()

@@ -21,21 +21,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import default_tokenizer, llama_cpp_quantize, log, meta_checkpoint  # noqa: E402
+from bench import default_tokenizer, llama_cpp_quantize, log, meta_checkpoint, peak_memory_mb  # noqa: E402
 
 PROMPT = [128000] + list(range(1000, 1063))  # <|begin_of_text|> and 63 ordinary tokens
 SMOLLM2_PROMPT = [1, 4093, 314, 260, 3575, 282, 4649, 47, 2] * 4  # SmolLM2's own token IDs
-
-
-def peak_mb() -> float:
-    """This process's peak resident memory (VmHWM: ru_maxrss would carry the parent's peak over the exec)."""
-    status = Path("/proc/self/status").read_text()
-    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024
 
 
 def worker_ours(path: Path, dtype: str, tokens: list, logits_out: Path) -> dict:
@@ -45,7 +40,7 @@ def worker_ours(path: Path, dtype: str, tokens: list, logits_out: Path) -> dict:
     from llama.distributed import init_model_parallel
 
     start = time.perf_counter()
-    init_model_parallel(torch.device("cpu"), None, __import__("datetime").timedelta(seconds=60))
+    init_model_parallel(torch.device("cpu"), None, timedelta(seconds=60))
     reader = open_checkpoint(path)
     args, _ = model_args_from(reader.params, max_seq_len=128, max_batch_size=1)
     model = load_model(reader, args, 0, 1, torch.device("cpu"), getattr(torch, dtype))
@@ -53,7 +48,7 @@ def worker_ours(path: Path, dtype: str, tokens: list, logits_out: Path) -> dict:
     with torch.inference_mode():
         logits = model(torch.tensor([tokens]), 0)[0].float().numpy()
     np.save(logits_out, logits)
-    return {"seconds": seconds, "peak_mb": peak_mb(), "note": reader.note}
+    return {"seconds": seconds, "peak_mb": peak_memory_mb("cpu"), "note": reader.note}
 
 
 def worker_llama_cpp(path: Path, tokens: list, logits_out: Path) -> dict:
@@ -64,7 +59,7 @@ def worker_llama_cpp(path: Path, tokens: list, logits_out: Path) -> dict:
     seconds = time.perf_counter() - start
     model.eval(tokens)
     np.save(logits_out, np.array(model.scores[: len(tokens)], dtype=np.float32))
-    return {"seconds": seconds, "peak_mb": peak_mb()}
+    return {"seconds": seconds, "peak_mb": peak_memory_mb("cpu")}
 
 
 def run(worker: str, path: Path, tokens: list, workdir: Path, dtype: str = "bfloat16") -> tuple:

@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from llama.checkpoint.gguf_file import ROPE_FREQS, gguf_name, rope_frequencies
+from llama.checkpoint.gguf_file import FLOAT_TYPES, ROPE_FREQS, gguf_name, rope_frequencies
 from llama.checkpoint.shards import CheckpointReader
 from llama.model import apply_scaling
 from llama.tokenizer import Tokenizer
@@ -25,7 +25,6 @@ from llama.tokenizer.gguf_vocab import (
     token_text,
 )
 
-FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # made by the gguf package's port of llama.cpp's reference quantizer
 GGUF_TYPES = (*FLOAT_TYPES, *QUANTIZED_TYPES)
 
