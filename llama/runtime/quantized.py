@@ -1,7 +1,8 @@
 """The quantized linear layers (`Int8Linear`, `Int4Linear`): a weight quantized by `llama.quantize` and the ways to
 compute its product on PyTorch's weight-only kernels (`QuantizedLinear.products`), one chosen per row count by
 measuring (`llama.runtime.quantized_kernels`). `quantize_layer` makes one from a fairscale linear layer, as the
-checkpoint loads or as `quantize_model` runs.
+checkpoint loads or as `quantize_model` runs. `Int4Embedding`: a token embedding table held in int4, which a 4-bit
+GGUF file brings.
 """
 
 from typing import Optional
@@ -23,7 +24,7 @@ from llama.quantize import (
     unpack_nibbles,
     whole_shape,
 )
-from llama.runtime.parallel_layers import MeasuredLinear, ParallelLinear
+from llama.runtime.parallel_layers import MeasuredLinear, ParallelLinear, sum_over_model_parallel_group
 
 # The names of the ways a quantized layer computes its product (`QuantizedLinear.products`), across schemes and
 # devices.
@@ -175,10 +176,12 @@ class Int4Linear(QuantizedLinear):
         in_features = nibbles.shape[1] * 2
         self.group_size = in_features // scales.shape[1]
         if nibbles.device.type == "cpu":
-            # Converted a block of rows at a time (the same bytes as all at once), to bound the int32 temporary.
-            blocks = nibbles.split(chunk_rows(nibbles.shape[1] * 2))
-            convert = torch.ops.aten._convert_weight_to_int4pack_for_cpu
-            packed = torch.cat([convert(unpack_nibbles(block).to(torch.int32), 2) for block in blocks])
+            # Converted a block of rows at a time (the same bytes as all at once) into the whole, to bound the int32
+            # temporary.
+            step, convert = chunk_rows(in_features), torch.ops.aten._convert_weight_to_int4pack_for_cpu
+            packed = torch.empty_like(nibbles)
+            for start in range(0, nibbles.shape[0], step):
+                packed[start : start + step] = convert(unpack_nibbles(nibbles[start : start + step]).to(torch.int32), 2)
         else:  # the CUDA kernel takes the even input of each pair in the high nibble
             packed = torch.ops.aten._convert_weight_to_int4pack(nibbles << 4 | nibbles >> 4, inner_k_tiles(in_features))
             # Not saved with the model: the checkpoint's own form, kept for the "dequantized" product.
@@ -240,6 +243,34 @@ def quantize_layer(layer: nn.Module, scheme: str, group_size: Optional[int] = No
     if row_parallel:  # the whole row's largest magnitude, not this slice's
         absmax = max_over_model_parallel_group(row_absmax(weight))
     return Int8Linear(layer, *quantize_int8(weight, weight.dtype, absmax))
+
+
+class Int4Embedding(nn.Module):
+    """fairscale's `VocabParallelEmbedding` with its table in int4 (`llama.quantize`'s groups with a scale and a zero
+    each): a lookup dequantizes only the rows of its tokens, into the dtype of `scales`. Each process holds a slice
+    of the vocabulary's rows, as fairscale's does."""
+
+    def __init__(self, layer: nn.Module, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
+        """`layer`: the fairscale embedding it replaces (for its slice of the vocabulary); `nibbles`, `scales`,
+        `zeros`: this slice's rows, as `Int4Linear` takes them."""
+        super().__init__()
+        self.register_buffer("nibbles", nibbles)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.vocab_start, self.vocab_end = layer.vocab_start_index, layer.vocab_end_index
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = dequantize(self.nibbles[flat], self.scales[flat], self.zeros[flat]).to(self.scales.dtype)
+        return rows.view(*ids.shape, -1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if fs_init.get_model_parallel_world_size() == 1:
+            return self.rows(tokens)
+        # Tokens outside this process's rows get zeros here, and their rows from the process that holds them.
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+        rows = self.rows((tokens - self.vocab_start).masked_fill(outside, 0))
+        return sum_over_model_parallel_group(rows.masked_fill(outside[..., None], 0.0))
 
 
 def is_quantized(layer: nn.Module) -> bool:

@@ -349,7 +349,7 @@ def warn_if_busy(noisy: List[Job]) -> None:
 def runs_on_cpu_kernels(model: nn.Module) -> bool:
     """Whether `model`'s linear layers can run on the kernels measured here (`CPULinear`): on the CPU, in float32 or
     bfloat16, with a torch build that has oneDNN."""
-    weight = model.tok_embeddings.weight
+    weight = model.norm.weight  # in the model's dtype, on its device (the embedding may be int4)
     return onednn_supported(weight.device) and weight.dtype in (torch.float32, torch.bfloat16)
 
 
