@@ -185,7 +185,7 @@ class Llama:
         )
         if draft_vocab is not None:
             shared_tokenizer = find_tokenizer(ckpt_dir, tokenizer_path)
-            draft_args = (shared_tokenizer, max_seq_len, 1, mp_size, seed, runtime.norm.weight.device)
+            draft_args = (shared_tokenizer, max_seq_len, 1, mp_size, seed, runtime.tok_embeddings.weight.device)
             draft = draft_model(draft, draft_vocab, runtime, *draft_args, dtype, version, timeout, draft_quantize)
         generator = Llama(runtime, tokenizer, decode_step, prefix_cache, draft, draft_max)
         report.seconds = time.time() - start  # with the runtime's choices

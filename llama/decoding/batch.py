@@ -94,7 +94,7 @@ class BatchDecoder:
 
     @property
     def device(self) -> torch.device:
-        return self.model.norm.weight.device
+        return self.model.tok_embeddings.weight.device
 
     def gen_len(self, max_gen_len: Optional[int]) -> int:
         """`max_gen_len` as `Llama`'s methods take it, as an int: None means as many tokens as the context allows

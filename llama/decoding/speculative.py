@@ -73,7 +73,7 @@ class DraftModel:
     def propose(self, count: int) -> List[int]:
         if count < 1:
             return []
-        device = self.model.norm.weight.device
+        device = self.model.tok_embeddings.weight.device
         start = self.model.cached.reusable(0, self.tokens)
         run = torch.tensor([self.tokens[start:]], dtype=torch.long, device=device)
         guesses: List[int] = []

@@ -252,16 +252,17 @@ class Int4Embedding(nn.Module):
 
     def __init__(self, layer: nn.Module, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
         """`layer`: the fairscale embedding it replaces (for its slice of the vocabulary); `nibbles`, `scales`,
-        `zeros`: this slice's rows, as `Int4Linear` takes them."""
+        `zeros`: this slice's rows, as `Int4Linear` takes them. The nibbles are its `weight`, as a quantized
+        checkpoint names them (and where the model's device is asked for); the scales' dtype is the model's."""
         super().__init__()
-        self.register_buffer("nibbles", nibbles)
+        self.register_buffer("weight", nibbles)
         self.register_buffer("scales", scales)
         self.register_buffer("zeros", zeros)
         self.vocab_start, self.vocab_end = layer.vocab_start_index, layer.vocab_end_index
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        rows = dequantize(self.nibbles[flat], self.scales[flat], self.zeros[flat]).to(self.scales.dtype)
+        rows = dequantize(self.weight[flat], self.scales[flat], self.zeros[flat]).to(self.scales.dtype)
         return rows.view(*ids.shape, -1)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ def for_runtime(
         compile = True
     if compile:
         return runtime, compiled_step(runtime)
-    if use_cuda_graphs(runtime.norm.weight.device, model_parallel_size, cuda_graphs):
+    if use_cuda_graphs(runtime.tok_embeddings.weight.device, model_parallel_size, cuda_graphs):
         return runtime, CUDAGraphDecodeStep(runtime)
     return runtime, None
 
@@ -91,7 +91,7 @@ def compiles_by_default(model: nn.Module, model_parallel_size: int) -> bool:
     quantized weights on one CUDA GPU. There torch.compile widens each int8 or int4 weight inside its product, where
     the eager products (graphed or not) widen into a copy first or run a kernel made for few rows, and decode
     slower (docs/cuda.md)."""
-    on_one_gpu = model.norm.weight.device.type == "cuda" and model_parallel_size == 1
+    on_one_gpu = model.tok_embeddings.weight.device.type == "cuda" and model_parallel_size == 1
     return on_one_gpu and any(is_quantized(layer) for layer in model.modules())
 
 
@@ -186,7 +186,7 @@ def compiled_decode_step(model: RuntimeTransformer) -> DecodeStep:
     """
     if use_parallel_layers(model):
         logger.info("Compiling the decode step: fairscale's layers replaced with the runtime's parallel layers first")
-    on_cuda = model.norm.weight.is_cuda
+    on_cuda = model.tok_embeddings.weight.is_cuda
     options = {
         "triton.cudagraphs": on_cuda,  # what mode="reduce-overhead" turns on
         "emulate_precision_casts": True,  # round bf16/fp16 intermediates where the eager path does

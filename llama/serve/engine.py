@@ -240,7 +240,7 @@ class Engine:
             reusable = {i: self.reusable(i, request) for i in free}
             whole = {i: self.held_whole(i, request.prompt) for i in free}
             i = max(free, key=lambda i: (whole[i], reusable[i] if whole[i] else 0, -self.last_used[i]))
-            generator = torch.Generator(self.model.norm.weight.device)  # where the logits are drawn
+            generator = torch.Generator(self.model.tok_embeddings.weight.device)  # where the logits are drawn
             if request.seed is None:
                 generator.seed()
             else:

@@ -39,7 +39,7 @@ def run_plan(
     """Run one step: the copies between cache rows, the decode rows (through `decode_step`; None: eagerly), then
     the prompt chunks. Returns the next-token logits (vocab_size,) of each of plan.decode_rows, by row, and the last
     logits of each chunk ((len(chunk), vocab_size) where the plan wants every position's)."""
-    device = model.norm.weight.device
+    device = model.tok_embeddings.weight.device
     decode_logits, prefill_logits = {}, []
     for source, target, start, end in plan.copies:
         model.copy_cached(source, target, start, end)
