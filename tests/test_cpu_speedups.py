@@ -6,6 +6,7 @@ The reference is the same checkpoint run as Meta's code runs it: `F.linear` and 
 (`helpers.with_reference_attention`).
 """
 
+import collections
 import copy
 import logging
 
@@ -17,6 +18,7 @@ from fairscale.nn.model_parallel.layers import ColumnParallelLinear
 from helpers import (
     ATOL,
     GQA_PARAMS,
+    TINY_PARAMS,
     causal_mask,
     incremental_logits,
     load_reference,
@@ -813,3 +815,27 @@ def test_a_float16_lead_within_the_spread_of_its_own_timings_makes_no_copy():
     unsteady = llama.runtime.cpu.Measured(seconds, median={**seconds, "fp16": 1.15e-10}, fp16_copy=1e-8)
     assert llama.runtime.cpu.kernels_for({1: steady}, max_seq_len=1024) == {1: "fp16"}
     assert llama.runtime.cpu.kernels_for({1: unsteady}, max_seq_len=1024) == {1: "onednn"}
+
+
+@needs_fbgemm
+def test_the_load_report_names_the_kernel_each_product_runs_on(
+    process_group, tiny_checkpoint, tokenizer_path, monkeypatch
+):
+    """After the load line, the report names the kernels the linear layers run on at each row count they were
+    chosen for, with how many layers run each: all of them on the pinned one, or on what the measurement chose."""
+    from llama import Llama
+    from llama.runtime.cpu.layers import CPULinear
+
+    build = dict(max_seq_len=32, max_batch_size=2, dtype="bfloat16")
+    monkeypatch.setenv("LLAMA_CPU_KERNEL", "fp16")
+    report = str(Llama.build(str(tiny_checkpoint), tokenizer_path, **build).load_report)
+    layers = 7 * TINY_PARAMS["n_layers"] + 1  # and the head
+    assert report.splitlines()[1] == (
+        f"Kernels, by rows per product: 1 row: fp16 {layers}; 2 rows: fp16 {layers}; 256 rows: fp16 {layers}"
+    )
+    monkeypatch.delenv("LLAMA_CPU_KERNEL")
+    generator = Llama.build(str(tiny_checkpoint), tokenizer_path, **build)
+    chosen = [m.kernels for m in generator.model.modules() if isinstance(m, CPULinear)]
+    one_row = collections.Counter(kernels[1] for kernels in chosen)
+    named = ", ".join(f"{kernel} {n}" for kernel, n in one_row.most_common())
+    assert str(generator.load_report).splitlines()[1].startswith(f"Kernels, by rows per product: 1 row: {named}; ")

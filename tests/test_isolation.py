@@ -78,7 +78,7 @@ def test_no_process_prints_and_stdout_stays(tiny_checkpoint, tokenizer_path, pro
     report = str(generator.load_report)
     assert re.fullmatch(
         r"Loaded in \d+\.\d\d seconds: Meta checkpoint, device cpu, dtype float32, not quantized, "
-        r"model-parallel size 1",
+        r"model-parallel size 1\nKernels, by rows per product: 1 row: .+",
         report,
     ), report
 

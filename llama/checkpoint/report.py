@@ -28,7 +28,8 @@ class LoadReport:
     stored_quantized: bool  # the checkpoint holds quantized weights (`python -m llama.convert quantize`)
     model_parallel_size: int
     seconds: float
-    note: Optional[str] = None  # the checkpoint's own word on its weights (`CheckpointReader.note`)
+    note: Optional[str] = None  # the checkpoint's own word on its weights (`CheckpointReader.load_note`)
+    kernels: Optional[str] = None  # the kernels the products run on (`llama.runtime.parallel_layers.kernels_in_use`)
 
     def __str__(self) -> str:
         layout = FORMAT_NAMES.get(self.format, self.format)
@@ -37,9 +38,11 @@ class LoadReport:
         else:
             quantized = f"{self.quantization} ({'stored' if self.stored_quantized else 'quantized at load'})"
         dtype = str(self.dtype).removeprefix("torch.")
+        kernels = f"\nKernels, by rows per product: {self.kernels}" if self.kernels else ""
         return (
             f"Loaded in {self.seconds:.2f} seconds: {layout} checkpoint, device {self.device}, dtype {dtype}, "
             f"{quantized}, model-parallel size {self.model_parallel_size}{f'; {self.note}' if self.note else ''}"
+            f"{kernels}"
         )
 
 
