@@ -23,7 +23,7 @@ from llama.checkpoint import (
 )
 from llama.decoding import BatchDecoder, Speed, Stopwatch
 from llama.decoding.grammar import constraints_for
-from llama.runtime import DecodeStep, RuntimeTransformer, compiled_step, for_runtime, kernels_in_use
+from llama.runtime import DecodeStep, RuntimeTransformer, compiled_step, for_runtime
 from llama.text import (
     StreamChunk,
     chat_prediction,
@@ -189,7 +189,7 @@ class Llama:
             draft = draft_model(draft, draft_vocab, runtime, *draft_args, dtype, version, timeout, draft_quantize)
         generator = Llama(runtime, tokenizer, decode_step, prefix_cache, draft, draft_max)
         report.seconds = time.time() - start  # with the runtime's choices
-        report.kernels = kernels_in_use(runtime)
+        report.kernels = runtime.kernels_in_use
         generator.load_report = report
         return generator
 

@@ -33,7 +33,7 @@ def test_every_int8_product_computes_the_dequantized_weights_product(process_gro
     expected_weight = dequantize(layer.weight, layer.scales)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
     expected = x @ expected_weight.t()
-    assert set(layer.products(rows)) == {"int8", "widened"}  # on the CPU; a GPU adds "fused" for one row
+    assert set(layer.products(rows)) == {"int8", "widened", "widened32"}  # on the CPU; a GPU has "fused" for one row
     products = {**layer.products(rows), "fused": layer.fused_product}  # torch.compile's, run here on the CPU
     with torch.inference_mode():  # as decoding runs them
         for name, product in products.items():
@@ -55,11 +55,22 @@ def test_each_row_count_runs_the_product_chosen_for_it(process_group):
 
 
 def test_the_cpu_widens_int8_prompts_in_blocks_to_the_same_product(process_group):
-    """A weight of more rows than one block (`chunk_rows`): its blocks' products, joined, are the whole product."""
+    """A weight of more rows than one block (`chunk_rows`): its blocks' products, joined, are the whole product, in
+    the activations' dtype or in float32; for bfloat16 activations the float32 one, rounded once, is the closer."""
     layer = int8_layer(rows=2100, cols=1024)  # blocks of 2048 rows, then 52
     x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(8))
     expected = x @ dequantize(layer.weight, layer.scales).t()
     torch.testing.assert_close(layer.widened_product(x), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(layer.widened32_product(x), expected, atol=1e-4, rtol=1e-4)
+    layer.scales = layer.scales.bfloat16()
+    in_bf16 = x.bfloat16()
+    exact = in_bf16.double() @ dequantize(layer.weight, layer.scales).double().t()
+    errors = {}
+    for name in ("widened", "widened32"):
+        y = layer.products(5)[name](in_bf16)
+        assert y.dtype == torch.bfloat16
+        errors[name] = float((y.double() - exact).abs().mean())
+    assert errors["widened32"] < 0.9 * errors["widened"], errors
 
 
 def products_where(faster: str) -> dict:
@@ -69,7 +80,7 @@ def products_where(faster: str) -> dict:
         time.sleep(0.003)
         return x
 
-    return {name: (lambda x, q, scales: x) if name == faster else slow for name in ("int8", "widened")}
+    return {name: (lambda x, q, scales: x) if name == faster else slow for name in ("int8", "widened", "widened32")}
 
 
 def test_the_cpu_chooses_an_int8_product_per_row_count_by_timing_them(process_group, tmp_path, monkeypatch):
@@ -77,7 +88,7 @@ def test_the_cpu_chooses_an_int8_product_per_row_count_by_timing_them(process_gr
     from llama.runtime import quantized_kernels
 
     layer = int8_layer()
-    for faster in ("int8", "widened"):
+    for faster in ("int8", "widened", "widened32"):
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / faster))  # a machine that has measured nothing
         monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products_where(faster))
         quantized_kernels.choose_quantized_kernels(layer)
@@ -109,7 +120,7 @@ def test_an_environment_variable_pins_one_product_and_nothing_is_timed(process_g
     def never(x, q, scales):
         raise AssertionError("timed although pinned")
 
-    monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", {"int8": never, "widened": never})
+    monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", {"int8": never, "widened": never, "widened32": never})
     layer = int8_layer()
     monkeypatch.setenv("LLAMA_QUANTIZED_PRODUCT", "widened")
     quantized_kernels.choose_quantized_kernels(layer)

@@ -111,7 +111,7 @@ def int8_timings_where(faster: str) -> dict:
         time.sleep(0.002)
         return x
 
-    return {name: (lambda x, q, scales: x) if name == faster else slow for name in ("int8", "widened")}
+    return {name: (lambda x, q, scales: x) if name == faster else slow for name in ("int8", "widened", "widened32")}
 
 
 def step_logits(generator: Llama, tokens: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,7 @@ runs here, and everything it runs on. `for_runtime` applies it, in named steps, 
 The names below are those the rest of the package uses; the tests and benchmarks reach the modules themselves.
 """
 
-from llama.runtime.parallel_layers import kernels_in_use
 from llama.runtime.steps import compiled_step, for_runtime, quantize_model
 from llama.runtime.transformer import DecodeStep, RuntimeTransformer
 
-__all__ = ["DecodeStep", "RuntimeTransformer", "compiled_step", "for_runtime", "kernels_in_use", "quantize_model"]
+__all__ = ["DecodeStep", "RuntimeTransformer", "compiled_step", "for_runtime", "quantize_model"]

@@ -1,6 +1,7 @@
 """Step 5 of `for_runtime`: each quantized weight's product chosen by timing every way to compute it
 (`QuantizedLinear.products`) at the row counts that matter: a decode step's, a batch's, a prompt's; on a GPU for
-every scheme, on the CPU for int8 (PyTorch's kernel, or the weight widened a block at a time for `F.linear`).
+every scheme, on the CPU for int8 (PyTorch's kernel, or the weight widened a block at a time for `F.linear`, in the
+activations' dtype or in float32).
 
 Which one is fastest depends on the device, the PyTorch build and the weight's shape (docs/cuda.md has the figures),
 so it is measured, not assumed. The products give the same values up to the order of float32 sums
@@ -33,7 +34,11 @@ TIMED_ROWS = (1, 8, 64, 512)
 # On the CPU: a decode step's row count, a batch's, a short prompt, a prompt as the float kernels time it.
 CPU_TIMED_ROWS = (1, 8, 64, 256)
 CPU_SAMPLE_VALUES = 2**20
-CPU_INT8_PRODUCTS = {"int8": int8_kernel_product, "widened": widened_in_blocks}
+CPU_INT8_PRODUCTS = {
+    "int8": int8_kernel_product,
+    "widened": widened_in_blocks,
+    "widened32": functools.partial(widened_in_blocks, dtype=torch.float32),
+}
 PRODUCT_VARIABLE = "LLAMA_QUANTIZED_PRODUCT"  # pins one product (`pinned_product`)
 SCREEN = 4  # products more than this many times slower than the best at a first, eager call are not timed further
 

@@ -24,7 +24,7 @@ from llama.runtime.cpu import (
     runs_on_cpu_kernels,
 )
 from llama.runtime.cuda_graphs import CUDAGraphDecodeStep
-from llama.runtime.parallel_layers import InferenceLayer, ParallelEmbedding, ParallelLinear
+from llama.runtime.parallel_layers import InferenceLayer, ParallelEmbedding, ParallelLinear, kernels_in_use
 from llama.runtime.quantized import is_quantized, quantize_layer
 from llama.runtime.quantized_kernels import choose_quantized_kernels
 from llama.runtime.transformer import DecodeStep, RuntimeTransformer
@@ -70,6 +70,7 @@ def for_runtime(
         choose_cpu_kernels(runtime, copies, verify_rows)
     use_parallel_layers(runtime)
     choose_quantized_kernels(runtime)
+    runtime.kernels_in_use = kernels_in_use(runtime)  # what the load report says of the choices
     if compile is None and compiles_by_default(runtime, model_parallel_size):
         logger.info("Quantized weights on CUDA: the decode step will be compiled (compile=False replays CUDA graphs)")
         compile = True

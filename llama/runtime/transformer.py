@@ -88,6 +88,7 @@ class RuntimeTransformer(nn.Module):
         self.output = model.output
         self.freqs_cis = model.freqs_cis
         self.cached = CachedTokens(self.params.max_batch_size)
+        self.kernels_in_use: Optional[str] = None  # the kernels its layers run on, once `for_runtime` has chosen them
 
     # The RoPE table is made as the reference makes it.
     rope_table = Transformer.rope_table
