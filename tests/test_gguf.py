@@ -326,8 +326,11 @@ def test_a_4_bit_file_s_other_layers_load_dequantized_and_the_load_report_says_s
     mixed = mixed_file(bare, tmp_path / "mixed.gguf", {"output.weight": "Q8_0"})
     build = dict(max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32")
     generator = Llama.build(str(mixed), tokenizer_path, **build)
-    report = str(generator.load_report)
+    report, kernels = str(generator.load_report).splitlines()
     assert report.endswith("1; embedding int4 (Q4_0, codes kept); 1 of 15 layers dequantized, not int4 (1 Q8_0)")
+    # The 14 int4 layers run PyTorch's int4 kernel at every row count the float head was measured at.
+    per_rows = kernels.removeprefix("Kernels, by rows per product: ").split("; ")
+    assert len(per_rows) > 1 and all(part.split(": ")[1].startswith("tinygemm 14, ") for part in per_rows), kernels
     hf_to_meta(mixed, tmp_path / "dequantized")  # every layer as the file's values, in float32
     expected = Llama.build(str(tmp_path / "dequantized"), tokenizer_path, **build)
     ids = generator.tokenizer.encode(PROMPT, bos=True, eos=False)
@@ -347,7 +350,8 @@ def test_quantize_int4_requantizes_a_4_bit_file_s_other_layers_as_quantizing_the
     mixed = mixed_file(bare, tmp_path / "mixed.gguf", {"output.weight": "Q8_0"})
     build = dict(max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32")
     requantized = Llama.build(str(mixed), tokenizer_path, quantize="int4", **build)
-    assert str(requantized.load_report).endswith(
+    report = str(requantized.load_report).splitlines()[0]
+    assert report.endswith(
         "int4 (stored), model-parallel size 1; embedding int4 (Q4_0, codes kept); 1 of 15 layers requantized to int4 "
         "(1 Q8_0)"
     )
@@ -371,11 +375,13 @@ def test_quantize_int4_gives_a_tied_8_bit_table_and_its_head_in_int4(bare, token
     tied = mixed_file(bare, tmp_path / "tied.gguf", {"token_embd.weight": "Q8_0"}, dropped=("output.weight",))
     build = dict(max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32")
     as_stored = Llama.build(str(tied), tokenizer_path, **build)
-    assert str(as_stored.load_report).endswith("1 of 14 layers dequantized, not int4 (1 tied)")
+    assert str(as_stored.load_report).splitlines()[0].endswith("1 of 14 layers dequantized, not int4 (1 tied)")
     table = as_stored.model.tok_embeddings.weight
     requantized = Llama.build(str(tied), tokenizer_path, quantize="int4", **build)
-    assert str(requantized.load_report).endswith(
-        "embedding requantized to int4 (from Q8_0); 1 of 14 layers requantized to int4 (1 tied)"
+    assert (
+        str(requantized.load_report)
+        .splitlines()[0]
+        .endswith("embedding requantized to int4 (from Q8_0); 1 of 14 layers requantized to int4 (1 tied)")
     )
     assert isinstance(requantized.model.tok_embeddings, Int4Embedding)
     assert isinstance(requantized.model.output, Int4Linear)

@@ -106,20 +106,17 @@ class MeasuredLinear(ParallelLinear):
 
 
 def kernels_in_use(model: nn.Module) -> Optional[str]:
-    """The kernels the `MeasuredLinear` layers of `model` run on, by the row counts they were chosen for, each with
-    the number of layers that run it: "1 row: mv 64, linear 49; 256 rows: fp16 113". None where no layer's kernel
-    is chosen (float layers off the CPU: `F.linear`)."""
-    counts = {}
-    for layer in model.modules():
-        if isinstance(layer, MeasuredLinear):
-            for rows, kernel in (layer.kernels or {1: layer.default_kernel()}).items():
-                counts.setdefault(rows, collections.Counter())[kernel] += 1
-    return (
-        "; ".join(
-            f"{rows} row{'s' * (rows > 1)}: " + ", ".join(f"{kernel} {n}" for kernel, n in counted.most_common())
-            for rows, counted in sorted(counts.items())
-        )
-        or None
+    """The kernels the `MeasuredLinear` layers of `model` run on at each row count any of them was chosen for, each
+    with the number of layers that run it: "1 row: mv 64, linear 49; 256 rows: fp16 113". None where there are no
+    such layers (float layers off the CPU: `F.linear`)."""
+    layers = [layer for layer in model.modules() if isinstance(layer, MeasuredLinear)]
+    if not layers:
+        return None
+    row_counts = sorted({rows for layer in layers for rows in layer.kernels}) or [1]
+    counts = {rows: collections.Counter(layer.kernel_for(rows) for layer in layers) for rows in row_counts}
+    return "; ".join(
+        f"{rows} row{'s' * (rows > 1)}: " + ", ".join(f"{kernel} {n}" for kernel, n in counted.most_common())
+        for rows, counted in counts.items()
     )
 
 
