@@ -111,7 +111,7 @@ def widened_in_blocks(
     one buffer reused for every block (a whole widened weight would be mapped afresh and fault in page by page at
     every call: several times slower), each block's product by `F.linear` (the CPU's matrix kernels, fast on many
     rows), then scaled, in `dtype`. In float32 that is MKL's product: where the CPU has no bfloat16 matrix kernels
-    (AVX2), twice as fast on a prompt's rows as bfloat16's."""
+    (AVX2), several times faster on a prompt's rows than bfloat16's (docs/quantize.md)."""
     dtype = dtype or x.dtype
     rows = x.reshape(-1, x.shape[-1]).to(dtype)
     step = chunk_rows(q.shape[1])
