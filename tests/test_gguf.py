@@ -396,7 +396,7 @@ def test_an_int4_table_split_over_processes_gives_each_token_its_row(bare, monke
     there, and the sum over the processes is the whole table's row."""
     import fairscale.nn.model_parallel.initialize as fs_init
 
-    import llama.runtime.quantized as quantized
+    import llama.runtime.parallel_layers as parallel_layers
     from llama.runtime.quantized import Int4Embedding
 
     reader = open_checkpoint(bare["Q4_0"])
@@ -407,7 +407,7 @@ def test_an_int4_table_split_over_processes_gives_each_token_its_row(bare, monke
     ids = torch.tensor([[0, vocab // 2 - 1, vocab // 2, vocab - 1, 7]])
     expected = whole(ids)
     monkeypatch.setattr(fs_init, "get_model_parallel_world_size", lambda: 2)
-    monkeypatch.setattr(quantized, "sum_over_model_parallel_group", lambda x: x)  # each process's share, as it is
+    monkeypatch.setattr(parallel_layers, "sum_over_model_parallel_group", lambda x: x)  # each process's share
     shares = []
     for rows in slices:
         mine = [part[rows.vocab_start_index : rows.vocab_end_index] for part in parts]

@@ -175,9 +175,7 @@ class GGUFCheckpoint(CheckpointReader):
         quantized checkpoint stores it."""
         if "output.weight" not in self.shapes:
             if self.types["tok_embeddings.weight"] in BLOCKS:
-                for table in (self.tensors, self.types, self.shapes, self.dtypes):
-                    table["output.weight"] = table["tok_embeddings.weight"]
-                self.params.pop("tie_word_embeddings", None)
+                self.head_of_its_own()
             else:
                 self.float_layers |= {"output"}  # tied to the embedding, as it loads
         self.linear_count = 0
@@ -189,6 +187,13 @@ class GGUFCheckpoint(CheckpointReader):
                     self.float_layers |= {layer}
         self.store_as_int4("tok_embeddings")
         self.params["quantization"] = {"scheme": "int4", "group_size": GROUP_SIZE}
+
+    def head_of_its_own(self) -> None:
+        """Present a tied head as a layer of its own, read from the embedding table (as a quantized checkpoint
+        stores a tied head)."""
+        for table in (self.tensors, self.types, self.shapes, self.dtypes):
+            table["output.weight"] = table["tok_embeddings.weight"]
+        self.params.pop("tie_word_embeddings", None)
 
     def store_as_int4(self, layer: str, requantized: bool = False) -> bool:
         """Present the weight of `layer` as its int4 parts, where it is 4-bit (or `requantized`) in groups that
@@ -209,10 +214,8 @@ class GGUFCheckpoint(CheckpointReader):
         not 4-bit) as int4 too, quantized by `llama.quantize` from the file's values a block of rows at a time: so a
         load never holds one of them whole in floating point. The load report names them (`load_note`)."""
         kinds = {layer: self.types.get(f"{layer}.weight", "tied") for layer in self.float_layers}
-        if kinds.get("output") == "tied":  # the head made from the embedding table, as a layer of its own
-            for table in (self.tensors, self.types, self.shapes, self.dtypes):
-                table["output.weight"] = table["tok_embeddings.weight"]
-            self.params.pop("tie_word_embeddings", None)
+        if kinds.get("output") == "tied":
+            self.head_of_its_own()
         if "tok_embeddings" not in self.int4_layers:
             kinds["tok_embeddings"] = self.types["tok_embeddings.weight"]
         for layer, kind in sorted(kinds.items()):

@@ -15,7 +15,7 @@ docs/speed.md).
 """
 
 import collections
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
@@ -120,14 +120,22 @@ def kernels_in_use(model: nn.Module) -> Optional[str]:
     )
 
 
+def vocab_parallel_lookup(
+    tokens: torch.Tensor, start: int, end: int, rows: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """fairscale's `VocabParallelEmbedding` lookup, where this process holds the vocabulary's rows [start, end) and
+    `rows(ids)` gives those of its own rows `ids`."""
+    if fs_init.get_model_parallel_world_size() == 1:
+        return rows(tokens)
+    # Tokens outside this process's rows get zeros here, and their rows from the process that holds them.
+    outside = (tokens < start) | (tokens >= end)
+    found = rows((tokens - start).masked_fill(outside, 0))
+    return sum_over_model_parallel_group(found.masked_fill(outside[..., None], 0.0))
+
+
 class ParallelEmbedding(InferenceLayer):
     """fairscale's `VocabParallelEmbedding` forward: each process holds a slice of the vocabulary's rows."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if fs_init.get_model_parallel_world_size() == 1:
-            return F.embedding(tokens, self.weight)
-        # Tokens outside this process's rows get zeros here, and their rows from the process that holds them.
         start, end = self.plain.vocab_start_index, self.plain.vocab_end_index
-        outside = (tokens < start) | (tokens >= end)
-        rows = F.embedding((tokens - start).masked_fill(outside, 0), self.weight)
-        return sum_over_model_parallel_group(rows.masked_fill(outside[..., None], 0.0))
+        return vocab_parallel_lookup(tokens, start, end, lambda ids: F.embedding(ids, self.weight))

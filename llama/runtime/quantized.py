@@ -24,7 +24,7 @@ from llama.quantize import (
     unpack_nibbles,
     whole_shape,
 )
-from llama.runtime.parallel_layers import MeasuredLinear, ParallelLinear, sum_over_model_parallel_group
+from llama.runtime.parallel_layers import MeasuredLinear, ParallelLinear, vocab_parallel_lookup
 
 # The names of the ways a quantized layer computes its product (`QuantizedLinear.products`), across schemes and
 # devices.
@@ -273,12 +273,7 @@ class Int4Embedding(nn.Module):
         return rows.view(*ids.shape, -1)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if fs_init.get_model_parallel_world_size() == 1:
-            return self.rows(tokens)
-        # Tokens outside this process's rows get zeros here, and their rows from the process that holds them.
-        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
-        rows = self.rows((tokens - self.vocab_start).masked_fill(outside, 0))
-        return sum_over_model_parallel_group(rows.masked_fill(outside[..., None], 0.0))
+        return vocab_parallel_lookup(tokens, self.vocab_start, self.vocab_end, self.rows)
 
 
 def is_quantized(layer: nn.Module) -> bool:
