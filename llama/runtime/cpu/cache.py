@@ -108,7 +108,7 @@ class KernelCache:
     where the file cannot be written. A file that cannot be read, or holds anything else, is ignored (the kernels
     are measured again and the file rewritten); one that cannot be written is skipped."""
 
-    FORMAT = 3
+    FORMAT = 4  # 4: one-row and batch timings on samples of up to 2**24 weights (2**22 before)
     # Entries measured or read in this process, by cache file: they win over what the file holds now.
     IN_PROCESS: Dict[Path, Dict[str, dict]] = {}
 

@@ -33,7 +33,9 @@ from llama.runtime.timing import TIMED_ROUNDS, time_kernels, timed_call
 logger = logging.getLogger(__name__)
 
 PROMPT_ROWS = 256  # the row count a prompt is measured at; inputs of more rows than the batch use its choice
-DECODE_SAMPLE_VALUES = 2**22  # one row and the batch: timed on up to this many weights of a product (from memory)
+# One row and the batch: timed on up to this many weights of a product (from memory). A decode step streams weights
+# of up to tens of MB each; on a smaller sample the kernels rank as they do not in decoding (docs/speed.md).
+DECODE_SAMPLE_VALUES = 2**24
 PROMPT_SAMPLE_VALUES = 2**20  # a prompt: fewer, since it is bound by arithmetic rather than by reading the weight
 # Each kernel ranks by its median round (`TIMED_ROUNDS` of them), what decoding meets step after step, rather than
 # by a lucky fastest one (docs/speed.md); a float16 copy must lead the other kernels' fastest round.
