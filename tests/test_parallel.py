@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 from helpers import TINY_PARAMS, make_checkpoint, with_repo
@@ -86,20 +86,28 @@ def torchrun(*launcher_args) -> List[str]:
     return [sys.executable, "-m", "torch.distributed.run", *map(str, launcher_args), str(WORKER)]
 
 
-def launch(
+@dataclass
+class Started:
+    """Commands `start` launched together, for `finish` to wait for."""
+
+    commands: List[List[str]]
+    procs: List[subprocess.Popen]
+    logs: List[Tuple[Path, Path]]  # each command's stdout and stderr files
+    out_prefix: Path
+    wait_for: List[int]
+    deadline: float  # time.monotonic() by which those in wait_for must have exited
+
+
+def start(
     commands: List[List[str]],
     ckpt: Path,
     tokenizer_path: str,
     out_prefix: Path,
     *worker_args,
     wait_for: Optional[List[int]] = None,
-) -> Run:
-    """Start the commands together (each followed by the worker's arguments) and wait for those in `wait_for`
-    (default: all) to exit, within RUN_DEADLINE; the others are then stopped.
-
-    Raises:
-        pytest.fail.Exception: when a command in `wait_for` is still running at the deadline.
-    """
+) -> Started:
+    """Start the commands together, each followed by the worker's arguments; those in `wait_for` (default: all)
+    are given RUN_DEADLINE seconds from now to exit."""
     wait_for = list(range(len(commands))) if wait_for is None else wait_for
     args = [str(ckpt), tokenizer_path, str(out_prefix), *map(str, worker_args)]
     logs = [(Path(f"{out_prefix}.{i}.stdout"), Path(f"{out_prefix}.{i}.stderr")) for i in range(len(commands))]
@@ -109,26 +117,42 @@ def launch(
             procs.append(
                 subprocess.Popen(command + args, stdout=out, stderr=err, env=worker_env(), start_new_session=True)
             )
+    return Started(commands, procs, logs, out_prefix, wait_for, time.monotonic() + RUN_DEADLINE)
+
+
+def finish(started: Started) -> Run:
+    """Wait for the commands in `started.wait_for` to exit, then stop the others. A command's exit is seen (and
+    timed, `Run.ended`) while this waits: finish a run whose exit times matter first.
+
+    Raises:
+        pytest.fail.Exception: when a command in `wait_for` is still running at the deadline.
+    """
+    procs, wait_for = started.procs, started.wait_for
     ended = [float("nan")] * len(procs)
-    deadline = time.monotonic() + RUN_DEADLINE
     try:
-        while time.monotonic() < deadline and any(procs[i].returncode is None for i in wait_for):
+        while time.monotonic() < started.deadline and any(procs[i].returncode is None for i in wait_for):
             for i, proc in enumerate(procs):
                 if proc.returncode is None and proc.poll() is not None:
                     ended[i] = time.time()
             time.sleep(0.05)
         late = [i for i in wait_for if procs[i].returncode is None]
     finally:
-        stop(procs, out_prefix)
+        stop(procs, started.out_prefix)
     if late:
-        pytest.fail(f"command(s) {late} still running after {RUN_DEADLINE} s: {[commands[i] for i in late]}")
+        commands = [started.commands[i] for i in late]
+        pytest.fail(f"command(s) {late} still running after {RUN_DEADLINE} s: {commands}")
     return Run(
         returncodes=[p.returncode for p in procs],
-        stdouts=[out.read_text() for out, _ in logs],
-        stderrs=[err.read_text() for _, err in logs],
+        stdouts=[out.read_text() for out, _ in started.logs],
+        stderrs=[err.read_text() for _, err in started.logs],
         ended=ended,
-        out_prefix=out_prefix,
+        out_prefix=started.out_prefix,
     )
+
+
+def launch(*args, **kwargs) -> Run:
+    """`start` the commands and `finish` them: a run on its own."""
+    return finish(start(*args, **kwargs))
 
 
 def stop(procs: List[subprocess.Popen], out_prefix: Path) -> None:
@@ -286,9 +310,16 @@ def test_quantized_two_processes_match_one_process(scheme, n_shards, stored, che
 
         quantize_checkpoint(one_ckpt, tmp_path / "quantized", scheme, model_parallel_size=n_shards)
         one_ckpt = two_ckpt = tmp_path / "quantized"
-    one = launch(plain_python(), one_ckpt, tokenizer_path, tmp_path / "one", "--quantize", scheme)
+    # Side by side: the single process runs on one thread, so the three processes share the two cores.
+    started = [
+        start(plain_python(), one_ckpt, tokenizer_path, tmp_path / "one", "--quantize", scheme),
+        start(single_node(2), two_ckpt, tokenizer_path, tmp_path / "two", "--quantize", scheme),
+    ]
+    try:
+        one = finish(started[0])
+    finally:  # also when the first fails: the second is then waited for and stopped
+        two = finish(started[1])
     assert one.returncodes == [0], one.stderrs[0]
-    two = launch(single_node(2), two_ckpt, tokenizer_path, tmp_path / "two", "--quantize", scheme)
     assert two.returncodes == [0], two.stderrs[0]
     greedy = one.results(1)[0]["greedy"]
     assert len({tuple(row) for row in greedy}) == 4
