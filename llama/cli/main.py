@@ -67,7 +67,11 @@ def add_model_flags(parser: argparse.ArgumentParser, max_gen_len: Optional[int])
     parser.add_argument("--seed", type=int, default=1, help="seed for sampling (default 1)")
     parser.add_argument("--device", help="cuda, cuda:N, cpu or mps (default: CUDA if present, else the CPU)")
     parser.add_argument("--dtype", help="bfloat16, float16 or float32 (default: by device and checkpoint)")
-    parser.add_argument("--quantize", choices=["int8", "int4"], help="weight-only quantization as the weights load")
+    parser.add_argument(
+        "--quantize",
+        choices=["int8", "int4", "int4-dyn"],  # llama.quantize's, named here so that --help needs no torch
+        help="quantize as the weights load: int8 or int4 weights, or int4-dyn (int4 with 8-bit activations, CPU)",
+    )
     add_compile_flags(parser)
     parser.add_argument(
         "--nocuda_graphs", dest="cuda_graphs", action="store_false", help="on one GPU, decode without CUDA graphs"

@@ -1,0 +1,231 @@
+"""int4 weights with 8-bit activations (`quantize="int4-dyn"`), on the CPU: the one module that runs ONNX Runtime.
+
+PyTorch's int4 kernel for the CPU multiplies in floating point and is bound by its arithmetic, not by reading the
+weight (docs/quantize.md). llama.cpp's Q4_0 reads faster because it also rounds each block of 32 activations to
+8 bits and multiplies integers. ONNX Runtime's `MatMulNBits` operator (com.microsoft domain, `accuracy_level=4`)
+does the same with its MLAS kernels, on weights with an integer zero point per group, and is fast on many rows
+too. It is an optional dependency (`pip install "llama[onnx]"`); without it the same numbers are computed by
+`reference_product` in PyTorch, slowly.
+
+The weights (`quantize_int4_dyn`): groups of 32 inputs, each with a float32 scale and an integer zero point in
+[0, 15]: w = (q - zero_point) * scale. Unlike "int4" (`llama.quantize.quantize_int4`, a float zero), this form
+is what MatMulNBits reads. The activations: each row's blocks of 32 values rounded to int8 with a scale of their
+largest magnitude / 127 (as Q8_0 rounds them); the products of a block summed in integers, then scaled.
+"""
+
+import functools
+import logging
+import os
+from typing import Optional, Tuple
+
+import fairscale.nn.model_parallel.initialize as fs_init
+import torch
+import torch.nn.functional as F
+from fairscale.nn.model_parallel.layers import RowParallelLinear
+from torch import nn
+
+from llama.quantize import int4_group_for, pack_nibbles, row_chunks, unpack_nibbles, whole_shape
+from llama.runtime.quantized import QuantizedLinear
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 32  # inputs per weight group and per activation block
+SCALE_ROUNDS = 2  # least-squares refits of each group's step (`quantize_int4_dyn`)
+
+
+@functools.cache
+def onnxruntime_available() -> bool:
+    """Whether ONNX Runtime and onnx (to write the operator's graph) can be imported."""
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def quantize_int4_dyn(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scales, zero_points) of a 2-D weight in groups of `GROUP_SIZE` along each row: codes in [0, 15], two
+    per byte (`pack_nibbles`); float32 scales and uint8 zero points, one column per group.
+
+    Each group's range is first widened to hold 0 (so that its zero point is a code and a weight of 0 stays 0) and
+    cut in 15 steps; then, `SCALE_ROUNDS` times, the step is set to the one that fits the group's levels best (least
+    squares) and the levels are rounded again: on SmolLM2 that takes the scheme's KL divergence from bfloat16 from
+    0.264 to below llama.cpp Q4_0's (docs/quantize.md)."""
+    weight, (rows, cols) = weight.detach(), weight.shape
+    codes = torch.empty(rows, cols // 2, dtype=torch.uint8)
+    scales = torch.empty(rows, cols // GROUP_SIZE, dtype=torch.float32)
+    zero_points = torch.empty(rows, cols // GROUP_SIZE, dtype=torch.uint8)
+    for rows_here, chunk in row_chunks(weight):
+        groups = chunk.view(chunk.shape[0], -1, GROUP_SIZE)
+        low, high = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)
+        scale = (high - low) / 15
+        for refit in range(SCALE_ROUNDS + 1):
+            safe = torch.where(scale > 0, scale, 1.0)
+            zero = (-low / safe).round_().clamp_(0, 15)
+            levels = (groups / safe[..., None]).round_().add_(zero[..., None]).clamp_(0, 15)
+            if refit < SCALE_ROUNDS:
+                steps = levels.sub_(zero[..., None])  # each weight's level, in steps from the zero point
+                fitted = (groups * steps).sum(dim=-1) / steps.square().sum(dim=-1).clamp_(min=1)
+                scale = torch.where(fitted > 0, fitted, scale)
+        codes[rows_here] = pack_nibbles(levels.to(torch.uint8).view(chunk.shape))
+        scales[rows_here], zero_points[rows_here] = scale, zero.to(torch.uint8)
+    return codes, scales, zero_points
+
+
+def dequantize_int4_dyn(codes: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
+    """The float32 weight that `quantize_int4_dyn`'s values stand for."""
+    rows, groups = scales.shape
+    q = unpack_nibbles(codes).view(rows, groups, GROUP_SIZE).float()
+    return ((q - zero_points.float()[..., None]) * scales[..., None]).view(rows, -1)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """`x` (float32, rows by inputs) with each block of `GROUP_SIZE` values rounded to int8 steps of its largest
+    magnitude / 127, as the values the integer products see (a block of zeros stays zero)."""
+    blocks = x.view(*x.shape[:-1], -1, GROUP_SIZE)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    safe = torch.where(scale > 0, scale, 1.0)
+    return (torch.round(blocks / safe) * scale).view(x.shape)
+
+
+def reference_product(x: torch.Tensor, codes, scales, zero_points) -> torch.Tensor:
+    """The product MatMulNBits computes, in PyTorch: 8-bit activations times the dequantized weight, in float32
+    (every product and every block's sum exact; the blocks summed in another order than MLAS's)."""
+    rows = quantize_activations(x.reshape(-1, x.shape[-1]).float())
+    return F.linear(rows, dequantize_int4_dyn(codes, scales, zero_points))
+
+
+@functools.cache
+def advise_wait_policy() -> None:
+    """Once per process, where PyTorch's OpenMP threads keep spinning after each parallel operation (on the cores
+    ONNX Runtime's products then need, docs/quantize.md), say how to stop that: it is read as Python starts."""
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        logger.info(
+            "int4-dyn: PyTorch's OpenMP threads spin between its operations, on the cores ONNX Runtime's products "
+            "need; OMP_WAIT_POLICY=PASSIVE, set before Python starts, may decode faster (docs/quantize.md)"
+        )
+
+
+class MatMulNBits:
+    """An ONNX Runtime session whose one operator, MatMulNBits with 8-bit activations, multiplies float32 rows by
+    the weight `quantize_int4_dyn`'s values stand for. The session reads the values where they are (initializers
+    given as external data: not copied), and packs a copy of its own for its kernels."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor):
+        import onnxruntime
+        from onnx import TensorProto, helper
+
+        advise_wait_policy()
+        out_features, groups = scales.shape
+        in_features = groups * GROUP_SIZE
+        padded = torch.cat([zero_points, zero_points.new_zeros(out_features, groups % 2)], dim=1)  # an even count
+        arrays = {
+            "codes": codes.view(out_features, groups, GROUP_SIZE // 2).numpy(),
+            "scales": scales.numpy(),
+            "zero_points": pack_nibbles(padded).numpy(),  # two per byte, as the codes
+        }
+        types = {"codes": TensorProto.UINT8, "scales": TensorProto.FLOAT, "zero_points": TensorProto.UINT8}
+        node = helper.make_node(
+            "MatMulNBits",
+            ["rows", *arrays],
+            ["product"],
+            domain="com.microsoft",
+            K=in_features,
+            N=out_features,
+            bits=4,
+            block_size=GROUP_SIZE,
+            accuracy_level=4,  # activations rounded to int8 per block, integer products
+        )
+        graph = helper.make_graph(
+            [node],
+            "int4_dyn",
+            [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["rows", in_features])],
+            [helper.make_tensor_value_info("product", TensorProto.FLOAT, ["rows", out_features])],
+            initializer=[external_initializer(name, types[name], array.shape) for name, array in arrays.items()],
+        )
+        model = helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+        )
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = torch.get_num_threads()
+        # No memory arena per session: each would keep the largest product it ever returned (a long prompt's), a
+        # hundred times over.
+        options.enable_cpu_mem_arena = False
+        options.enable_mem_pattern = False
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # torch's threads run between calls
+        # Kept as long as the session: it reads them (and so the layer's own tensors, which the arrays share).
+        self.values = [onnxruntime.OrtValue.ortvalue_from_numpy(array) for array in arrays.values()]
+        options.add_external_initializers(list(arrays), self.values)
+        self.session = onnxruntime.InferenceSession(
+            model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        (product,) = self.session.run(None, {"rows": rows.float().contiguous().numpy()})
+        return torch.from_numpy(product)
+
+
+def external_initializer(name: str, data_type: int, shape):
+    """A graph initializer with no bytes of its own: the session is given them (`add_external_initializers`)."""
+    from onnx import TensorProto
+
+    tensor = TensorProto(name=name, data_type=data_type, dims=shape, data_location=TensorProto.EXTERNAL)
+    tensor.external_data.add(key="location", value=name)
+    return tensor
+
+
+class Int4DynLinear(QuantizedLinear):
+    """A fairscale linear layer with an "int4-dyn" weight (`weight`: the codes, `scales`, `zero_points`), on the CPU.
+
+    Products: "matmulnbits", ONNX Runtime's operator (the default where it is installed), on a session holding its
+    own packed copy of the weight, made with the layer; "reference", the same numbers in PyTorch (the default
+    without it). Inputs are taken in float32 and the result rounded to their dtype."""
+
+    def __init__(self, layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor):
+        super().__init__(layer)
+        del self.weight
+        self.register_buffer("weight", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zero_points", zero_points)
+        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 2  # this process's slice
+        self.session = MatMulNBits(codes, scales, zero_points) if onnxruntime_available() else None
+
+    def default_kernel(self) -> str:
+        return "matmulnbits" if self.session is not None else "reference"
+
+    def products(self, rows: int) -> dict:
+        products = {"reference": self.reference_product}
+        if self.session is not None:
+            products["matmulnbits"] = self.matmulnbits_product
+        return products
+
+    def activation_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def reference_product(self, x: torch.Tensor) -> torch.Tensor:
+        y = reference_product(x, self.weight, self.scales, self.zero_points)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def matmulnbits_product(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.session(x.reshape(-1, x.shape[-1]))
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def __getstate__(self):
+        # A session cannot be copied or saved: a copy of this layer makes its own.
+        return {**super().__getstate__(), "session": None}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if onnxruntime_available():
+            self.session = MatMulNBits(self.weight, self.scales, self.zero_points)
+
+
+def int4_dyn_layer(layer: nn.Module) -> Optional[Int4DynLinear]:
+    """An `Int4DynLinear` of one fairscale linear layer (this process's slice of it), or None where int4's groups of
+    32 cannot hold the weight (`llama.quantize.int4_group_for`)."""
+    mp_size = fs_init.get_model_parallel_world_size()
+    row_parallel = isinstance(layer, RowParallelLinear)
+    if int4_group_for(*whole_shape(layer), GROUP_SIZE, row_parallel, mp_size) != GROUP_SIZE:
+        return None
+    return Int4DynLinear(layer, *quantize_int4_dyn(layer.weight))
