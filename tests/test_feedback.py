@@ -16,10 +16,11 @@ import llama.checkpoint.report
 from llama.checkpoint import check_kv_cache_fits
 from llama.checkpoint.report import weights_bar
 from llama.cli import common, demo
+from llama.cli.main import build_parser
 from llama.decoding.speculative import DraftCounts
 from llama.decoding.speed import Stopwatch
 from llama.model import ModelArgs
-from llama.quantize import check_scheme
+from llama.quantize import LOAD_SCHEMES, SCHEMES, check_scheme
 from llama.runtime.compiled import AnnouncedCompiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +91,9 @@ def test_the_kv_cache_message_names_each_setting_once(monkeypatch, capsys):
 def test_the_quantize_error_offers_only_what_a_flag_can_take():
     with pytest.raises(ValueError) as error:
         check_scheme("int3")
-    assert str(error.value) == "Unknown quantization scheme 'int3'; use one of int8, int4"
+    assert str(error.value) == "Unknown quantization scheme 'int3'; use one of int8, int4, int4-dyn"
+    for scheme in SCHEMES + LOAD_SCHEMES:  # and the command takes each (it names them itself, without torch)
+        assert build_parser().parse_args(["chat", "ckpt", "--quantize", scheme]).quantize == scheme
 
 
 def test_the_demo_names_no_flag_it_lacks(tmp_path, capsys):
