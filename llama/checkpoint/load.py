@@ -101,6 +101,12 @@ class AllocateOnMeta(TorchDispatchMode):
     and ends with the block.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing in this mode is compiled. Left True, PyTorch wraps `__torch_dispatch__` in dynamo's disable, which
+        # imports torch._dynamo at the first tensor made: about 2 s of every load.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs and "device" in kwargs:
             kwargs = {**kwargs, "device": torch.device("meta")}
