@@ -18,8 +18,8 @@ and grouped-query attention) and measures, each in a fresh process, on the same 
   llama-cpp-python gguf`, a build of a few minutes; skipped with a notice otherwise), on a GGUF file of the same
   weights written by `llama convert to-gguf` and quantized by llama.cpp's own quantizer. Its model is loaded with
   `use_extra_bufts = False`: its repacked (AMX) buffers crash quantized files at the first decode on some CPUs.
-The dtypes int8, int4 and int4-dyn are llama with `quantize=` (bfloat16 activations), set beside our own bfloat16
-and llama.cpp's Q8_0 and Q4_0 files; transformers has no quantized CPU row.
+The dtypes int8, int4, int8-dyn and int4-dyn are llama with `quantize=` (bfloat16 activations), set beside our own
+bfloat16 and llama.cpp's Q8_0 and Q4_0 files; transformers has no quantized CPU row.
 Measured: load time (next to the time to read the checkpoint's bytes), prefill tokens/s for prompts of 64 and
 512 tokens, decode tokens/s at batch 1 and 8 (greedy, no stop tokens, prefill time subtracted; with --compile,
 llama decodes through its compiled step), peak memory (max RSS on CPU, max allocated on CUDA).
@@ -55,8 +55,16 @@ SHAPES = {
 }  # fmt: skip
 GRID = ["d256", "d512", "d1024", "1b"]
 QUICK = ["d256", "d512"]
-QUANTIZED = ("int8", "int4", "int4-dyn")  # --dtypes that mean llama with quantize=, on bfloat16 activations
-LLAMA_CPP_PEER = {"float32": "F16", "bfloat16": "F16", "int8": "Q8_0", "int4": "Q4_0", "int4-dyn": "Q4_0"}  # beside
+QUANTIZED = ("int8", "int4", "int8-dyn", "int4-dyn")  # --dtypes that mean llama with quantize=, on bfloat16 activations
+# llama.cpp's type of the same bits, beside each of our dtypes
+LLAMA_CPP_PEER = {
+    "float32": "F16",
+    "bfloat16": "F16",
+    "int8": "Q8_0",
+    "int4": "Q4_0",
+    "int8-dyn": "Q8_0",
+    "int4-dyn": "Q4_0",
+}
 DECODE_STEPS = {"d256": 32, "d512": 32, "d1024": 24, "1b": 12, "8b": 64}
 PREFILL_LENS = (64, 512)
 LLAMA_CPP_TYPES = ("F16", "Q8_0", "Q4_0")

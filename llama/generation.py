@@ -133,8 +133,9 @@ class Llama:
                 None (the default) compiles it for quantized weights on one CUDA GPU, where it decodes faster than
                 the graphed step (docs/cuda.md), and nowhere else; False never compiles.
             quantize: "int8" or "int4": the linear layers' weights, quantized as they load (see docs/quantize.md);
-                dtype then defaults to bfloat16 on the CPU too. "int4-dyn" (CPU only): int4 weights with 8-bit
-                activations, as llama.cpp's Q4_0 multiplies them, on ONNX Runtime where it is installed.
+                dtype then defaults to bfloat16 on the CPU too. "int8-dyn" and "int4-dyn" (CPU only): int8 or int4
+                weights with 8-bit activations, as llama.cpp's Q8_0 and Q4_0 multiply them, on ONNX Runtime where it
+                is installed.
             cuda_graphs: On one CUDA GPU without `compile`, replay each batch size's decode step as a CUDA graph
                 (`llama.runtime.cuda_graphs`): the eager step's logits bit for bit, one launch instead of hundreds.
                 False decodes eagerly, as the reference does.

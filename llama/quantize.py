@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 SCHEMES = ("int8", "int4")  # the weight-only schemes, which quantized checkpoints store
-# Made as the checkpoint loads, not stored: int4 weights with 8-bit activations, on the CPU
-# (`llama.runtime.onnx_int4`).
-LOAD_SCHEMES = ("int4-dyn",)
+# Made as the checkpoint loads, not stored: int8 and int4 weights with 8-bit activations, on the CPU
+# (`llama.runtime.onnx_dyn`).
+LOAD_SCHEMES = ("int8-dyn", "int4-dyn")
 DEFAULT_GROUP_SIZE = 32  # the most accurate; no slower than larger groups (docs/quantize.md)
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernels accept
 INT4_ROWS = 16  # the CPU int4 kernel takes weights of a multiple of this many rows (CUDA: 8)
@@ -46,9 +46,10 @@ def check_scheme(scheme: str, stored: bool = False) -> None:
 
 
 def layer_scheme(name: str, scheme: str) -> str:
-    """The scheme the layer called `name` in the model is quantized with: "int4-dyn" keeps the output head in int8,
-    as llama.cpp's Q4_0 files keep theirs in 6 bits (in 4, it is most of what the scheme loses: docs/quantize.md)."""
-    return "int8" if scheme == "int4-dyn" and name == "output" else scheme
+    """The scheme the layer called `name` in the model is quantized with: "int4-dyn" keeps the output head in 8 bits
+    (int8-dyn), as llama.cpp's Q4_0 files keep theirs in 6 (in 4, it is most of what the scheme loses:
+    docs/quantize.md)."""
+    return "int8-dyn" if scheme == "int4-dyn" and name == "output" else scheme
 
 
 def check_device(device: torch.device, scheme: str, dtype: torch.dtype) -> None:

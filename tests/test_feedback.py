@@ -91,7 +91,7 @@ def test_the_kv_cache_message_names_each_setting_once(monkeypatch, capsys):
 def test_the_quantize_error_offers_only_what_a_flag_can_take():
     with pytest.raises(ValueError) as error:
         check_scheme("int3")
-    assert str(error.value) == "Unknown quantization scheme 'int3'; use one of int8, int4, int4-dyn"
+    assert str(error.value) == "Unknown quantization scheme 'int3'; use one of int8, int4, int8-dyn, int4-dyn"
     for scheme in SCHEMES + LOAD_SCHEMES:  # and the command takes each (it names them itself, without torch)
         assert build_parser().parse_args(["chat", "ckpt", "--quantize", scheme]).quantize == scheme
 

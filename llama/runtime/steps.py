@@ -24,6 +24,7 @@ from llama.runtime.cpu import (
     runs_on_cpu_kernels,
 )
 from llama.runtime.cuda_graphs import CUDAGraphDecodeStep
+from llama.runtime.onnx_dyn import one_torch_thread, runs_on_onnx_runtime
 from llama.runtime.parallel_layers import InferenceLayer, ParallelEmbedding, ParallelLinear, kernels_in_use
 from llama.runtime.quantized import is_quantized
 from llama.runtime.quantized_kernels import choose_quantized_kernels
@@ -55,7 +56,9 @@ def for_runtime(
        with `verify_rows`, also for the rows of a speculative pass, which a prompt's kernel would run at its speed.
     4. `use_parallel_layers`: every fairscale layer left (all of them off the CPU) becomes `ParallelLinear` or
        `ParallelEmbedding`: the collectives called directly and skipped in one process, traceable by torch.compile.
-    5. `choose_quantized_kernels`: on a GPU, each quantized weight's fastest product at each row count, timed.
+    5. `choose_quantized_kernels`: on a GPU, each quantized weight's fastest product at each row count, timed. Where
+       the products run on ONNX Runtime (int8-dyn, int4-dyn), PyTorch's own operations run on one thread
+       (`one_torch_thread`), leaving the cores to ONNX Runtime's.
     6. The decode step: compiled with torch.compile if asked (`compiled_decode_step`; `compile=None` asks where
        `compiles_by_default`), else on one CUDA GPU replayed as CUDA graphs where `cuda_graphs` (`use_cuda_graphs`,
        `CUDAGraphDecodeStep`).
@@ -71,6 +74,8 @@ def for_runtime(
         choose_cpu_kernels(runtime, copies, verify_rows)
     use_parallel_layers(runtime)
     choose_quantized_kernels(runtime)
+    if runs_on_onnx_runtime(runtime):
+        runtime.threads = one_torch_thread
     runtime.kernels_in_use = kernels_in_use(runtime)  # what the load report says of the choices
     if compile is None and compiles_by_default(runtime, model_parallel_size):
         logger.info("Quantized weights on CUDA: the decode step will be compiled (compile=False replays CUDA graphs)")

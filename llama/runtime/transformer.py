@@ -7,7 +7,8 @@ weights under the same state-dict keys) and adds what decoding needs beyond `Tra
 - `cached`: the tokens each cache row holds (`CachedTokens`), for prefix reuse, and `copy_cached` between rows.
 """
 
-from typing import Callable, Optional, Union
+import contextlib
+from typing import Callable, ContextManager, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,9 @@ class RuntimeTransformer(nn.Module):
         self.freqs_cis = model.freqs_cis
         self.cached = CachedTokens(self.params.max_batch_size)
         self.kernels_in_use: Optional[str] = None  # the kernels its layers run on, once `for_runtime` has chosen them
+        # Entered around each forward and decode step: how many threads PyTorch's own operations run on there (as
+        # many as it has, unless `for_runtime` leaves the cores to another library's products).
+        self.threads: Callable[[], ContextManager] = contextlib.nullcontext
 
     # The RoPE table is made as the reference makes it.
     rope_table = Transformer.rope_table
@@ -116,19 +120,20 @@ class RuntimeTransformer(nn.Module):
     ) -> torch.Tensor:
         """`Transformer.forward`; with `last_logits_only`, the logits of the last position only; the batch in the
         cache's rows [first_row, first_row + bsz)."""
-        seqlen = tokens.shape[1]
-        written = tokens.tolist()
-        for row in range(first_row, first_row + len(written)):  # overwritten from start_pos on, even if this fails
-            self.cached.keep(row, start_pos)
-        h = self.tok_embeddings(tokens)
-        freqs_cis = self.rope_at(start_pos, seqlen, h.device)
-        mask = causal_mask(seqlen, start_pos, h)
-        for layer in self.layers:
-            last_only = last_logits_only and layer is self.layers[-1]
-            h = layer(h, start_pos, freqs_cis, mask, last_only, first_row)
-        for row, row_tokens in enumerate(written, start=first_row):
-            self.cached.wrote(row, start_pos, row_tokens)
-        return self.output(self.norm(h)).float()
+        with self.threads():
+            seqlen = tokens.shape[1]
+            written = tokens.tolist()
+            for row in range(first_row, first_row + len(written)):  # overwritten from start_pos on, even on failure
+                self.cached.keep(row, start_pos)
+            h = self.tok_embeddings(tokens)
+            freqs_cis = self.rope_at(start_pos, seqlen, h.device)
+            mask = causal_mask(seqlen, start_pos, h)
+            for layer in self.layers:
+                last_only = last_logits_only and layer is self.layers[-1]
+                h = layer(h, start_pos, freqs_cis, mask, last_only, first_row)
+            for row, row_tokens in enumerate(written, start=first_row):
+                self.cached.wrote(row, start_pos, row_tokens)
+            return self.output(self.norm(h)).float()
 
     @torch.inference_mode()
     def decode_step(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -140,12 +145,13 @@ class RuntimeTransformer(nn.Module):
         `llama.serve.engine`). The RoPE table must exist: `init_kv_caches` or a first `forward` made it. It may run
         compiled or as a CUDA graph, so it does not record what it writes in `cached`: its callers do.
         """
-        h = self.tok_embeddings(tokens)  # (bsz, 1, dim)
-        cache_positions = torch.arange(self.params.max_seq_len, device=tokens.device)
-        mask = cache_positions[None, :] <= position[:, None]  # (1 or bsz, max_seq_len): the positions written so far
-        freqs_cis = self.freqs_cis[position]  # (1 or bsz, head_dim // 2)
-        if len(position) > 1:
-            mask = mask[:, None, None, :]  # (bsz, 1, 1, max_seq_len): each row's own, for every head
-        for layer in self.layers:
-            h = layer(h, position, freqs_cis, mask)
-        return self.output(self.norm(h)).float()
+        with self.threads():
+            h = self.tok_embeddings(tokens)  # (bsz, 1, dim)
+            cache_positions = torch.arange(self.params.max_seq_len, device=tokens.device)
+            mask = cache_positions[None, :] <= position[:, None]  # (1 or bsz, max_seq_len): the positions written
+            freqs_cis = self.freqs_cis[position]  # (1 or bsz, head_dim // 2)
+            if len(position) > 1:
+                mask = mask[:, None, None, :]  # (bsz, 1, 1, max_seq_len): each row's own, for every head
+            for layer in self.layers:
+                h = layer(h, position, freqs_cis, mask)
+            return self.output(self.norm(h)).float()

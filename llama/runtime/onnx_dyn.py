@@ -1,21 +1,24 @@
-"""int4 weights with 8-bit activations (`quantize="int4-dyn"`), on the CPU: the one module that runs ONNX Runtime.
+"""Weights with 8-bit activations (`quantize="int8-dyn"` and `"int4-dyn"`), on the CPU: the one module that runs
+ONNX Runtime.
 
-PyTorch's int4 kernel for the CPU multiplies in floating point and is bound by its arithmetic, not by reading the
-weight (docs/quantize.md). llama.cpp's Q4_0 reads faster because it also rounds each block of 32 activations to
-8 bits and multiplies integers. ONNX Runtime's `MatMulNBits` operator (com.microsoft domain, `accuracy_level=4`)
-does the same with its MLAS kernels, on weights with an integer zero point per group, and is fast on many rows
-too. It is an optional dependency (`pip install "llama[onnx]"`); without it the same numbers are computed by
-`reference_product` in PyTorch, slowly.
+PyTorch's int8 and int4 kernels for the CPU multiply in floating point, and read the weight slower than the memory
+allows (docs/quantize.md). llama.cpp's Q8_0 and Q4_0 read faster because they also round each block of 32
+activations to 8 bits and multiply integers. ONNX Runtime's `MatMulNBits` operator (com.microsoft domain,
+`accuracy_level=4`) does the same with its MLAS kernels, on weights with a scale (and for 4 bits an integer zero
+point) per group, and is fast on many rows too. It is an optional dependency (`pip install "llama[onnx]"`);
+without it the same numbers are computed by `reference_product` in PyTorch, slowly.
 
-The weights (`quantize_int4_dyn`): groups of 32 inputs, each with a float32 scale and an integer zero point in
-[0, 15]: w = (q - zero_point) * scale. Unlike "int4" (`llama.quantize.quantize_int4`, a float zero), this form
-is what MatMulNBits reads. The activations: each row's blocks of 32 values rounded to int8 with a scale of their
-largest magnitude / 127 (as Q8_0 rounds them); the products of a block summed in integers, then scaled.
+The weights, in groups of 32 inputs, each with a float32 scale:
+- int8-dyn (`quantize_int8_dyn`): w = (q - 128) * scale, q in [1, 255] (symmetric: the scale is the group's largest
+  magnitude / 127), as Q8_0 holds them;
+- int4-dyn (`quantize_int4_dyn`): w = (q - zero_point) * scale, q and the zero point in [0, 15]. Unlike "int4"
+  (`llama.quantize.quantize_int4`, a float zero), this form is what MatMulNBits reads.
+The activations: each row's blocks of 32 values rounded to int8 with a scale of their largest magnitude / 127 (as
+Q8_0 rounds them); the products of a block summed in integers, then scaled.
 """
 
+import contextlib
 import functools
-import logging
-import os
 from typing import Optional, Tuple
 
 import fairscale.nn.model_parallel.initialize as fs_init
@@ -27,9 +30,8 @@ from torch import nn
 from llama.quantize import int4_group_for, pack_nibbles, row_chunks, unpack_nibbles, whole_shape
 from llama.runtime.quantized import QuantizedLinear
 
-logger = logging.getLogger(__name__)
-
 GROUP_SIZE = 32  # inputs per weight group and per activation block
+INT8_ZERO_POINT = 128  # the zero point MatMulNBits gives 8-bit weights passed without zero points
 SCALE_ROUNDS = 2  # least-squares refits of each group's step (`quantize_int4_dyn`)
 
 
@@ -73,11 +75,30 @@ def quantize_int4_dyn(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor,
     return codes, scales, zero_points
 
 
-def dequantize_int4_dyn(codes: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
-    """The float32 weight that `quantize_int4_dyn`'s values stand for."""
+def quantize_int8_dyn(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of a 2-D weight in groups of `GROUP_SIZE` along each row: uint8 codes, the levels in [-127,
+    127] plus `INT8_ZERO_POINT`, and one float32 scale per group, its largest magnitude / 127."""
+    weight, (rows, cols) = weight.detach(), weight.shape
+    codes = torch.empty(rows, cols, dtype=torch.uint8)
+    scales = torch.empty(rows, cols // GROUP_SIZE, dtype=torch.float32)
+    for rows_here, chunk in row_chunks(weight):
+        groups = chunk.view(chunk.shape[0], -1, GROUP_SIZE)
+        scale = groups.abs().amax(dim=-1) / 127
+        levels = groups.div_(torch.where(scale > 0, scale, 1.0)[..., None]).round_().add_(INT8_ZERO_POINT)
+        codes[rows_here] = levels.to(torch.uint8).view(chunk.shape)
+        scales[rows_here] = scale
+    return codes, scales
+
+
+def dequantize_dyn(codes: torch.Tensor, scales: torch.Tensor, zero_points: Optional[torch.Tensor]) -> torch.Tensor:
+    """The float32 weight that `quantize_int8_dyn`'s (`zero_points` None) or `quantize_int4_dyn`'s values stand
+    for."""
     rows, groups = scales.shape
-    q = unpack_nibbles(codes).view(rows, groups, GROUP_SIZE).float()
-    return ((q - zero_points.float()[..., None]) * scales[..., None]).view(rows, -1)
+    if zero_points is None:
+        levels = codes.view(rows, groups, GROUP_SIZE).float() - INT8_ZERO_POINT
+    else:
+        levels = unpack_nibbles(codes).view(rows, groups, GROUP_SIZE).float() - zero_points.float()[..., None]
+    return (levels * scales[..., None]).view(rows, -1)
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
@@ -93,39 +114,27 @@ def reference_product(x: torch.Tensor, codes, scales, zero_points) -> torch.Tens
     """The product MatMulNBits computes, in PyTorch: 8-bit activations times the dequantized weight, in float32
     (every product and every block's sum exact; the blocks summed in another order than MLAS's)."""
     rows = quantize_activations(x.reshape(-1, x.shape[-1]).float())
-    return F.linear(rows, dequantize_int4_dyn(codes, scales, zero_points))
-
-
-@functools.cache
-def advise_wait_policy() -> None:
-    """Once per process, where PyTorch's OpenMP threads keep spinning after each parallel operation (on the cores
-    ONNX Runtime's products then need, docs/quantize.md), say how to stop that: it is read as Python starts."""
-    if os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
-        logger.info(
-            "int4-dyn: PyTorch's OpenMP threads spin between its operations, on the cores ONNX Runtime's products "
-            "need; OMP_WAIT_POLICY=PASSIVE, set before Python starts, may decode faster (docs/quantize.md)"
-        )
+    return F.linear(rows, dequantize_dyn(codes, scales, zero_points))
 
 
 class MatMulNBits:
     """An ONNX Runtime session whose one operator, MatMulNBits with 8-bit activations, multiplies float32 rows by
-    the weight `quantize_int4_dyn`'s values stand for. The session reads the values where they are (initializers
-    given as external data: not copied), and packs a copy of its own for its kernels."""
+    the weight that `quantize_int8_dyn`'s or `quantize_int4_dyn`'s values stand for. The session reads the values
+    where they are (initializers given as external data: not copied), and packs a copy of its own for its kernels.
+    """
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zero_points: Optional[torch.Tensor]):
         import onnxruntime
         from onnx import TensorProto, helper
 
-        advise_wait_policy()
         out_features, groups = scales.shape
         in_features = groups * GROUP_SIZE
-        padded = torch.cat([zero_points, zero_points.new_zeros(out_features, groups % 2)], dim=1)  # an even count
-        arrays = {
-            "codes": codes.view(out_features, groups, GROUP_SIZE // 2).numpy(),
-            "scales": scales.numpy(),
-            "zero_points": pack_nibbles(padded).numpy(),  # two per byte, as the codes
-        }
+        bits = 8 if zero_points is None else 4
+        arrays = {"codes": codes.view(out_features, groups, GROUP_SIZE * bits // 8).numpy(), "scales": scales.numpy()}
         types = {"codes": TensorProto.UINT8, "scales": TensorProto.FLOAT, "zero_points": TensorProto.UINT8}
+        if zero_points is not None:  # two per byte, as the codes, for an even count
+            padded = torch.cat([zero_points, zero_points.new_zeros(out_features, groups % 2)], dim=1)
+            arrays["zero_points"] = pack_nibbles(padded).numpy()
         node = helper.make_node(
             "MatMulNBits",
             ["rows", *arrays],
@@ -133,13 +142,13 @@ class MatMulNBits:
             domain="com.microsoft",
             K=in_features,
             N=out_features,
-            bits=4,
+            bits=bits,
             block_size=GROUP_SIZE,
             accuracy_level=4,  # activations rounded to int8 per block, integer products
         )
         graph = helper.make_graph(
             [node],
-            "int4_dyn",
+            f"int{bits}_dyn",
             [helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["rows", in_features])],
             [helper.make_tensor_value_info("product", TensorProto.FLOAT, ["rows", out_features])],
             initializer=[external_initializer(name, types[name], array.shape) for name, array in arrays.items()],
@@ -175,21 +184,28 @@ def external_initializer(name: str, data_type: int, shape):
     return tensor
 
 
-class Int4DynLinear(QuantizedLinear):
-    """A fairscale linear layer with an "int4-dyn" weight (`weight`: the codes, `scales`, `zero_points`), on the CPU.
+class DynLinear(QuantizedLinear):
+    """A fairscale linear layer with an "int8-dyn" weight (`weight`: the codes, `scales`) or an "int4-dyn" one (the
+    codes, `scales`, `zero_points`), on the CPU.
 
     Products: "matmulnbits", ONNX Runtime's operator (the default where it is installed), on a session holding its
     own packed copy of the weight, made with the layer; "reference", the same numbers in PyTorch (the default
     without it). Inputs are taken in float32 and the result rounded to their dtype."""
 
-    def __init__(self, layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor):
+    def __init__(
+        self, layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, zero_points: Optional[torch.Tensor] = None
+    ):
         super().__init__(layer)
         del self.weight
         self.register_buffer("weight", codes)
         self.register_buffer("scales", scales)
-        self.register_buffer("zero_points", zero_points)
-        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * 2  # this process's slice
+        self.register_buffer("zero_points", zero_points)  # None for 8 bits: not in the state dict
+        self.out_features, self.in_features = codes.shape[0], scales.shape[1] * GROUP_SIZE  # this process's slice
         self.session = MatMulNBits(codes, scales, zero_points) if onnxruntime_available() else None
+
+    @property
+    def scheme(self) -> str:
+        return "int8-dyn" if self.zero_points is None else "int4-dyn"
 
     def default_kernel(self) -> str:
         return "matmulnbits" if self.session is not None else "reference"
@@ -221,11 +237,38 @@ class Int4DynLinear(QuantizedLinear):
             self.session = MatMulNBits(self.weight, self.scales, self.zero_points)
 
 
-def int4_dyn_layer(layer: nn.Module) -> Optional[Int4DynLinear]:
-    """An `Int4DynLinear` of one fairscale linear layer (this process's slice of it), or None where int4's groups of
-    32 cannot hold the weight (`llama.quantize.int4_group_for`)."""
+def int8_dyn_layer(layer: nn.Module) -> Optional[DynLinear]:
+    """A `DynLinear` in int8-dyn of one fairscale linear layer (this process's slice of it), or None where its
+    inputs are not whole groups of 32 (then the groups of a slice would not be those of the whole weight)."""
+    if layer.weight.shape[1] % GROUP_SIZE:
+        return None
+    return DynLinear(layer, *quantize_int8_dyn(layer.weight))
+
+
+def int4_dyn_layer(layer: nn.Module) -> Optional[DynLinear]:
+    """A `DynLinear` in int4-dyn of one fairscale linear layer (this process's slice of it), or None where int4's
+    groups of 32 cannot hold the weight (`llama.quantize.int4_group_for`)."""
     mp_size = fs_init.get_model_parallel_world_size()
     row_parallel = isinstance(layer, RowParallelLinear)
     if int4_group_for(*whole_shape(layer), GROUP_SIZE, row_parallel, mp_size) != GROUP_SIZE:
         return None
-    return Int4DynLinear(layer, *quantize_int4_dyn(layer.weight))
+    return DynLinear(layer, *quantize_int4_dyn(layer.weight))
+
+
+def runs_on_onnx_runtime(model: nn.Module) -> bool:
+    """Whether any of `model`'s products runs on ONNX Runtime."""
+    return any(isinstance(m, DynLinear) and m.session is not None for m in model.modules())
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """PyTorch's own operations on one thread inside the block. Where the products run on ONNX Runtime's threads,
+    PyTorch's OpenMP threads would keep spinning on the cores after each of its operations (for milliseconds) while
+    ONNX Runtime's product waits for them: decoding 1B in int4-dyn on 2 cores, the products took 86 ms a step
+    against 53 (docs/quantize.md)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
