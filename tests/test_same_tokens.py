@@ -46,7 +46,7 @@ def tiny_generator(checkpoint, tokenizer_path, dtype, quantize) -> Llama:
     return generator
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16", "int8", "int4"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "int8", "int4", "int8-dyn", "int4-dyn"])
 def generator(request, tiny_checkpoint, tokenizer_path, process_group) -> Llama:
     quantize = request.param if request.param.startswith("int") else None
     return tiny_generator(tiny_checkpoint, tokenizer_path, None if quantize else request.param, quantize)
