@@ -16,7 +16,7 @@ from llama import Llama
 from llama.checkpoint import load_model
 from llama.checkpoint.convert import quantize_checkpoint
 from llama.quantize import check_device, unpack_nibbles
-from llama.runtime import for_runtime
+from llama.runtime import for_runtime, quantize_model
 from llama.runtime.onnx_dyn import DynLinear, dequantize_dyn, quantize_int4_dyn, quantize_int8_dyn, reference_product
 from llama.runtime.quantized import Int8Linear
 from llama.runtime.schemes import quantize_layer
@@ -170,7 +170,11 @@ def test_build_runs_it_and_the_load_report_names_the_product(tiny_checkpoint, to
 
 
 @pytest.mark.parametrize("scheme", ["int8-dyn", "int4-dyn"])
-def test_it_is_a_cpu_scheme_made_at_load_only(tiny_checkpoint, tmp_path, scheme):
+def test_it_is_a_cpu_scheme_made_at_load_only(tiny_checkpoint, tmp_path, scheme, process_group):
+    reader, args = tiny_reader(tmp_path)
+    model = load_model(reader, args, 0, 1, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="takes groups of 32 only, got group_size=64"):
+        quantize_model(model, scheme, group_size=64)
     with pytest.raises(ValueError, match="runs on the CPU only"):
         check_device(torch.device("cuda"), scheme, torch.bfloat16)
     with pytest.raises(ValueError, match="made as the checkpoint loads"):

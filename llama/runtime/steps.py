@@ -11,7 +11,7 @@ from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallel
 from torch import nn
 
 from llama.model import Transformer
-from llama.quantize import check_device, check_group_size, check_scheme, layer_scheme
+from llama.quantize import LOAD_SCHEMES, check_device, check_group_size, check_scheme, layer_scheme
 from llama.runtime.compiled import AnnouncedCompiles
 from llama.runtime.cpu import (
     CPULinear,
@@ -24,6 +24,7 @@ from llama.runtime.cpu import (
     runs_on_cpu_kernels,
 )
 from llama.runtime.cuda_graphs import CUDAGraphDecodeStep
+from llama.runtime.onnx_dyn import GROUP_SIZE as DYN_GROUP_SIZE
 from llama.runtime.onnx_dyn import one_torch_thread, runs_on_onnx_runtime
 from llama.runtime.parallel_layers import InferenceLayer, ParallelEmbedding, ParallelLinear, kernels_in_use
 from llama.runtime.quantized import is_quantized
@@ -156,10 +157,12 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
 
     Args:
         model: The Transformer, with its weights.
-        scheme: "int8" (one scale per output channel) or "int4" (groups along the input).
+        scheme: "int8" (one scale per output channel) or "int4" (groups along the input); on the CPU also
+            "int8-dyn" or "int4-dyn" (with 8-bit activations, `llama.runtime.onnx_dyn`).
         group_size: int4's group size, one of 256, 128, 64 or 32 (default). A layer whose input width it does not
             divide takes the largest smaller size that does; a layer that int4 cannot hold (an input width that is
-            not a multiple of 32, or outputs not a multiple of 16) is quantized to int8 instead.
+            not a multiple of 32, or outputs not a multiple of 16) is quantized to int8 instead. int8-dyn and
+            int4-dyn take groups of 32 only (None or 32).
 
     Raises:
         ValueError: for an unknown scheme or group size, or a device PyTorch has no kernel for.
@@ -167,6 +170,8 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
     check_scheme(scheme)
     if scheme == "int4":
         check_group_size(group_size)
+    elif scheme in LOAD_SCHEMES and group_size not in (None, DYN_GROUP_SIZE):
+        raise ValueError(f"{scheme} takes groups of {DYN_GROUP_SIZE} only, got group_size={group_size!r}")
     weight = model.norm.weight  # in the model's dtype, on its device (the embedding may be int4)
     check_device(weight.device, scheme, weight.dtype)
     if not is_quantized(model.output):
