@@ -13,6 +13,8 @@ import httpx
 import pytest
 from helpers import with_repo
 
+PORT_ATTEMPTS = 3  # servers started before a test gives up on finding a free port
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -24,23 +26,37 @@ class Server:
     """A `llama serve` process (`python -m llama serve`) on loopback, its output in a file."""
 
     def __init__(self, ckpt: Path, log: Path, *flags: str, launcher=(sys.executable, "-m")):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        command = [*launcher, "llama", "serve", str(ckpt), "--port", str(self.port), *flags]  # `llama serve`
+        for attempt in range(PORT_ATTEMPTS):
+            # The port is free when chosen, but another process (a client's own end of a connection) may take it
+            # before the server binds it: then the server exits saying so, and starts again on another.
+            self.start(ckpt, free_port(), flags, launcher)
+            if self.wait_until_healthy():
+                return
+            if "address already in use" not in log.read_text() or attempt == PORT_ATTEMPTS - 1:
+                pytest.fail(f"the server did not start:\n{log.read_text()}")
+
+    def start(self, ckpt: Path, port: int, flags, launcher) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        command = [*launcher, "llama", "serve", str(ckpt), "--port", str(port), *flags]  # `llama serve`
         root = Path(__file__).resolve().parents[1]
         env = dict(os.environ, PYTHONPATH=with_repo(root))
-        with open(log, "w") as out:
+        with open(self.log, "w") as out:
             # SIGINT as a shell's foreground program gets it, even where pytest runs with it ignored (a background job)
             self.process = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=env, preexec_fn=default_sigint
             )
+
+    def wait_until_healthy(self) -> bool:
+        """Whether /health answered before the process ended or 120 s passed (then the process is stopped)."""
         deadline = time.time() + 120
         while not self.healthy():
             if self.process.poll() is not None or time.time() > deadline:
                 self.stop()
-                pytest.fail(f"the server did not start:\n{log.read_text()}")
+                return False
             time.sleep(0.2)
+        return True
 
     def healthy(self) -> bool:
         try:
