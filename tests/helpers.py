@@ -12,6 +12,7 @@ import pty
 import re
 import select
 import signal
+import socket
 import time
 import types
 import unittest
@@ -34,6 +35,13 @@ def with_repo(root: Path) -> str:
     """PYTHONPATH for a child process: the checkout first, then whatever PYTHONPATH already holds (a machine may
     bring the project's dependencies on it)."""
     return os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+
+
+def free_port() -> int:
+    """A loopback port free as this returns (another process may still take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def smollm2_gguf() -> Path:

@@ -3,7 +3,6 @@ file, waited for until /health answers."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,15 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import with_repo
+from helpers import free_port, with_repo
 
 PORT_ATTEMPTS = 3  # servers started before a test gives up on finding a free port
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import pytest
-from helpers import TINY_PARAMS, make_checkpoint, with_repo
+from helpers import TINY_PARAMS, free_port, make_checkpoint, with_repo
 
 from llama.checkpoint import random_weights, split_dim
 
@@ -67,12 +66,6 @@ class Run:
             assert rank["greedy"] == ranks[0]["greedy"], f"rank {rank['rank']} decoded other greedy tokens"
             assert rank["sampled"] == ranks[0]["sampled"], f"rank {rank['rank']} sampled other tokens"
         return ranks
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_env() -> Dict[str, str]:
