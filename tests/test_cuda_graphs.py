@@ -8,7 +8,7 @@ from helpers import ATOL, GQA_PARAMS, load_tiny
 
 import llama.runtime.cuda_graphs as cuda_graphs
 from llama.checkpoint import check_kv_cache_fits, random_weights
-from llama.model import ModelArgs
+from llama.model import KVCache, ModelArgs
 from llama.runtime.cuda_graphs import CUDAGraphDecodeStep, decode_step_bytes
 from llama.runtime.steps import use_cuda_graphs
 
@@ -78,11 +78,32 @@ def test_graph_step_records_again_after_the_caches_are_reallocated(process_group
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(4))
     step = CUDAGraphDecodeStep(model)
     steps_through(step, model, tokens, prompt_len=4)
+    recorded_caches = [layer.attention.kv_cache for layer in model.layers]  # held: no new cache can land there
     model.init_kv_caches(torch.device("cpu"), torch.float32)
     expected = steps_through(model.decode_step, model, tokens, prompt_len=4)
     model.init_kv_caches(torch.device("cpu"), torch.float32)
+    moved = [
+        old.cache_k.data_ptr() != layer.attention.kv_cache.cache_k.data_ptr()
+        for old, layer in zip(recorded_caches, model.layers)
+    ]
+    assert all(moved)
     assert torch.equal(steps_through(step, model, tokens, prompt_len=4), expected)
     assert rerun_recording == [2, 2]
+
+
+def test_graph_step_records_again_when_only_a_later_layers_cache_moved(process_group, tmp_path, rerun_recording):
+    """New caches may land where old ones were freed: the first layer's cache back at its recorded address says
+    nothing of the others', so a move of the last layer's cache alone records again."""
+    model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=24), torch.float32)
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(6))
+    step = CUDAGraphDecodeStep(model)
+    steps_through(step, model, tokens, prompt_len=4)
+    last = model.layers[-1].attention
+    recorded_cache = last.kv_cache  # held, so that the new cache cannot be allocated where it was
+    last.kv_cache = KVCache(*recorded_cache.cache_k.shape, dtype=torch.float32)
+    expected = steps_through(model.decode_step, model, tokens, prompt_len=4)
+    assert torch.equal(steps_through(step, model, tokens, prompt_len=4), expected)
+    assert rerun_recording == [1, 1]
 
 
 def test_grouped_heads_attend_as_the_reference_does(process_group, tmp_path):

@@ -85,10 +85,12 @@ class CUDAGraphDecodeStep:
         return RecordedStep(graph, static_tokens, static_position, logits)
 
     def state_addresses(self) -> Tuple[int, ...]:
-        """Where the tensors a graph reads besides its inputs and weights live now: the first layer's KV cache
-        (`init_kv_caches` replaces all layers' together) and the RoPE table."""
-        cache = self.model.layers[0].attention.kv_cache
-        return cache.cache_k.data_ptr(), cache.cache_v.data_ptr(), self.model.freqs_cis.data_ptr()
+        """Where the tensors a graph reads besides its inputs and weights live now: every layer's KV cache and the
+        RoPE table. Every layer counts: new caches may land where old ones were freed, so one layer's cache can be
+        back at its recorded address while another's has moved."""
+        caches = [layer.attention.kv_cache for layer in self.model.layers]
+        cache_addresses = [tensor.data_ptr() for cache in caches for tensor in (cache.cache_k, cache.cache_v)]
+        return (*cache_addresses, self.model.freqs_cis.data_ptr())
 
 
 def decode_step_bytes(args: ModelArgs, model_parallel_size: int, dtype: torch.dtype) -> int:
