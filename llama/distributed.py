@@ -183,6 +183,30 @@ def release_freed_memory() -> None:
 
 _malloc_trim = None  # glibc's, once looked up
 
+MADV_DONTNEED = 4  # Linux's madvise advice: drop the range's pages from this process
+
+
+def forget_mapped_pages(tensor: torch.Tensor) -> None:
+    """Drop this process's resident pages of a tensor read from a file mapped copy-on-write (a checkpoint loaded
+    with `mmap=True`), on Linux: they stop counting in its memory, and a later read maps them again from the file
+    (or the system's page cache). Only for a tensor nothing has written to: a private mapping's written pages would
+    go back to the file's contents. Pages the storage shares with its neighbours are kept."""
+    global _madvise
+    if _madvise is None:
+        try:
+            _madvise = ctypes.CDLL("libc.so.6").madvise if os.uname().sysname == "Linux" else False
+        except (OSError, AttributeError):
+            _madvise = False
+    storage = tensor.untyped_storage()
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-storage.data_ptr() // page) * page
+    end = (storage.data_ptr() + storage.nbytes()) // page * page
+    if _madvise and end > start:
+        _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+
+
+_madvise = None  # Linux's, once looked up
+
 
 def free_memory(device: torch.device) -> Optional[int]:
     """Bytes that can still be allocated on `device`, or None where that is not known."""

@@ -5,6 +5,9 @@ fallback, a model without ONNX Runtime, PyTorch's threads while ONNX Runtime mul
 on a trained model: benchmarks/quant_accuracy.py (docs/quantize.md).
 """
 
+import copy
+import io
+
 import pytest
 import torch
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -104,14 +107,63 @@ def test_the_product_is_the_integer_product_of_8_bit_activations(scheme, rows):
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_onnx_runtime_computes_what_the_fallback_computes(process_group, scheme, kind, rows):
     import_or_skip("onnxruntime", ONNX)
-    layer = quantize_layer(fairscale_layer(kind, 256, 64, random_weight(64, 256)), scheme)
+    weight = random_weight(64, 256)
+    layer = quantize_layer(fairscale_layer(kind, 256, 64, weight), scheme)
     assert type(layer) is DynLinear and layer.scheme == scheme and layer.default_kernel() == "matmulnbits"
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(2))
-    products = layer.products(rows)
-    onnx_out, fallback = products["matmulnbits"](x), products["reference"](x)
-    torch.testing.assert_close(onnx_out, fallback, rtol=1e-5, atol=1e-5)
+    onnx_out = layer.products(rows)["matmulnbits"](x)
+    torch.testing.assert_close(onnx_out, reference_product(x, *quantized(scheme, weight)), rtol=1e-5, atol=1e-5)
     assert torch.equal(layer(x), onnx_out)  # the layer runs ONNX Runtime's
     assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("scheme", ["int8-dyn", "int4-dyn"])
+def test_the_weight_is_held_once_by_onnx_runtime(process_group, scheme):
+    """The session multiplies from its own packed copy, so the layer lets its values go: overwriting the values it
+    was made from changes nothing. A copy of the model shares the session, and saving one says what to do."""
+    import_or_skip("onnxruntime", ONNX)
+    values = quantized(scheme, random_weight(64, 256))
+    layer = DynLinear(fairscale_layer(ColumnParallelLinear, 256, 64, random_weight(64, 256)), *values)
+    assert onnx_dyn.packs_its_own_copy(layer.bits)
+    assert layer.weight is None and layer.scales is None and layer.zero_points is None
+    assert layer.values_bytes() == sum(t.numel() * t.element_size() for t in values if t is not None)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    expected = reference_product(x, *values)
+    for tensor in values:
+        if tensor is not None:
+            tensor.random_(0, 16)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    copied = copy.deepcopy(layer)
+    assert copied.session is layer.session and torch.equal(copied(x), layer(x))
+    with pytest.raises(ValueError, match="cannot be saved: save the checkpoint"):
+        torch.save(layer, io.BytesIO())
+
+
+class ReadsTheValues:
+    """Stands in for a session that reads the values it was given at every call, as ONNX Runtime does where MLAS
+    has no kernel for 8-bit activations at the weight's bits."""
+
+    def __init__(self, *values):
+        self.values = values
+
+    def __call__(self, rows):
+        return reference_product(rows, *self.values)
+
+
+@pytest.mark.parametrize("scheme", ["int8-dyn", "int4-dyn"])
+def test_where_the_session_reads_the_values_the_layer_keeps_them(process_group, monkeypatch, scheme):
+    monkeypatch.setattr(onnx_dyn, "MatMulNBits", ReadsTheValues)
+    monkeypatch.setattr(onnx_dyn, "onnxruntime_available", lambda: True)
+    onnx_dyn.packs_its_own_copy.cache_clear()
+    try:
+        values = quantized(scheme, random_weight(64, 256))
+        layer = DynLinear(fairscale_layer(ColumnParallelLinear, 256, 64, random_weight(64, 256)), *values)
+        assert not onnx_dyn.packs_its_own_copy(layer.bits)
+    finally:
+        onnx_dyn.packs_its_own_copy.cache_clear()
+    assert layer.weight is values[0] and layer.scales is values[1] and layer.zero_points is values[2]
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(layer(x), reference_product(x, *values))
 
 
 def test_a_layer_the_groups_cannot_hold_takes_the_next_scheme(process_group):

@@ -5,6 +5,7 @@ processes: test_parallel.py.
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from helpers import GQA_PARAMS
 from llama import Llama
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, random_weights, write_meta_checkpoint
 from llama.checkpoint.convert import meta_to_hf, quantize_checkpoint
+from llama.checkpoint.meta import MetaCheckpoint
 from llama.model import Transformer
 from llama.quantize import dequantize, quantize_int4, quantize_int8, unpack_nibbles
 from llama.runtime import for_runtime, quantize_model
@@ -229,3 +231,43 @@ def test_quantizing_a_hugging_face_folder_gives_the_meta_checkpoints_tensors(tmp
         assert torch.equal(from_meta[key], from_hf[key]), key
     meta_params = json.loads((tmp_path / "from_meta" / "params.json").read_text())
     assert json.loads((tmp_path / "from_hf" / "params.json").read_text())["quantization"] == meta_params["quantization"]
+
+
+def mapped_bytes(path) -> int:
+    """Bytes of the file at `path` this process holds in memory: the resident pages of its mappings (Linux)."""
+    held, in_file = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and ":" not in fields[0]:  # a mapping's first line: its range, ..., its path
+                in_file = fields[-1] == str(path)
+            elif in_file and fields[0] == "Rss:":
+                held += int(fields[1]) * 1024
+    return held
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+@pytest.mark.parametrize("scheme", ["int8", "int4-dyn"])
+def test_a_quantized_load_lets_go_of_the_checkpoint_pages_it_quantized(process_group, tmp_path, monkeypatch, scheme):
+    """Once quantized, a layer's pages of the mapped checkpoint are not held: after the load, the process holds a
+    small part of the file instead of all of it, and the model computes the same logits (the embedding, still mapped,
+    is read from the file again)."""
+    params = {**GQA_PARAMS, "dim": 512, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 1024}
+    write_meta_checkpoint(tmp_path / "ckpt", params, random_weights(params, seed=5))
+    path = (tmp_path / "ckpt" / "consolidated.00.pth").resolve()
+    tokens = torch.randint(0, params["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def held_after_load_and_logits():
+        reader = open_checkpoint(tmp_path / "ckpt")
+        args = model_args_from(reader.params, max_seq_len=16, max_batch_size=2)[0]
+        model = load_model(reader, args, 0, 1, torch.device("cpu"), torch.bfloat16, quantize=scheme)
+        held = mapped_bytes(path)
+        return held, model(tokens, 0)
+
+    held, logits = held_after_load_and_logits()
+    monkeypatch.setattr(MetaCheckpoint, "forget_read_pages", lambda self: None)
+    held_without, expected = held_after_load_and_logits()
+    size = path.stat().st_size
+    assert held_without > 0.9 * size
+    assert held < 0.1 * size
+    assert torch.equal(logits, expected)

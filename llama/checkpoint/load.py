@@ -169,6 +169,7 @@ def load_model(
             weights[key] = tensor
             continue
         release_freed_memory()  # the temporaries a quantized layer was made through
+        reader.forget_read_pages()  # and the file pages it was read from
     model.load_state_dict(weights, strict=not quantize, assign=True)
     model.init_kv_caches(device, dtype)
     return model.eval()

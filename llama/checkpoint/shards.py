@@ -77,6 +77,11 @@ class CheckpointReader:
         """Where `key` lives, for error messages."""
         raise NotImplementedError
 
+    def forget_read_pages(self) -> None:
+        """Stop holding the file pages read so far in this process's memory, where the format maps its files: called
+        as a quantized load goes, once what was read has been quantized (nothing has written to it). A tensor the
+        model keeps as read (the embedding) reads its pages from the file again as it is used."""
+
     def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None, dtype=None):
         """The tensor `key`, or its slice [start, start + length) along `dim` (in `dtype` if pieces are joined)."""
         raise NotImplementedError

@@ -120,7 +120,8 @@ def reference_product(x: torch.Tensor, codes, scales, zero_points) -> torch.Tens
 class MatMulNBits:
     """An ONNX Runtime session whose one operator, MatMulNBits with 8-bit activations, multiplies float32 rows by
     the weight that `quantize_int8_dyn`'s or `quantize_int4_dyn`'s values stand for. The session reads the values
-    where they are (initializers given as external data: not copied), and packs a copy of its own for its kernels.
+    where they are (initializers given as external data: not copied) and, where MLAS has a kernel for the weight's
+    bits, packs a copy of its own for it as it is made (`packs_its_own_copy`).
     """
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zero_points: Optional[torch.Tensor]):
@@ -163,9 +164,8 @@ class MatMulNBits:
         options.enable_cpu_mem_arena = False
         options.enable_mem_pattern = False
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # torch's threads run between calls
-        # Kept as long as the session: it reads them (and so the layer's own tensors, which the arrays share).
-        self.values = [onnxruntime.OrtValue.ortvalue_from_numpy(array) for array in arrays.values()]
-        options.add_external_initializers(list(arrays), self.values)
+        values = [onnxruntime.OrtValue.ortvalue_from_numpy(array) for array in arrays.values()]
+        options.add_external_initializers(list(arrays), values)
         self.session = onnxruntime.InferenceSession(
             model.SerializeToString(), options, providers=["CPUExecutionProvider"]
         )
@@ -173,6 +173,32 @@ class MatMulNBits:
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         (product,) = self.session.run(None, {"rows": rows.float().contiguous().numpy()})
         return torch.from_numpy(product)
+
+    def __deepcopy__(self, memo) -> "MatMulNBits":
+        return self  # a session only reads its weight: copies of a model share it
+
+    def __reduce__(self):
+        raise ValueError(
+            "An int8-dyn or int4-dyn layer's weight lives in its ONNX Runtime session and cannot be saved: save the "
+            "checkpoint it was loaded from instead, and quantize it as it loads again"
+        )
+
+
+@functools.cache
+def packs_its_own_copy(bits: int) -> bool:
+    """Whether a `MatMulNBits` session of `bits` bits multiplies from the copy it packed as it was made, no longer
+    reading the values it was given (which may then be freed). ONNX Runtime packs a copy where MLAS has a kernel for
+    8-bit activations at these bits, and otherwise reads the given values at every call; found by overwriting the
+    values of a small session's weight once it is made."""
+    weight = torch.randn(16, 2 * GROUP_SIZE, generator=torch.Generator().manual_seed(0))
+    values = (*quantize_int8_dyn(weight), None) if bits == 8 else quantize_int4_dyn(weight)
+    session = MatMulNBits(*values)
+    rows = torch.ones(1, weight.shape[1])
+    product = session(rows)
+    for tensor in values:
+        if tensor is not None:
+            tensor.zero_()
+    return torch.equal(session(rows), product)
 
 
 def external_initializer(name: str, data_type: int, shape):
@@ -185,36 +211,44 @@ def external_initializer(name: str, data_type: int, shape):
 
 
 class DynLinear(QuantizedLinear):
-    """A fairscale linear layer with an "int8-dyn" weight (`weight`: the codes, `scales`) or an "int4-dyn" one (the
-    codes, `scales`, `zero_points`), on the CPU.
+    """A fairscale linear layer with an "int8-dyn" weight (the codes, `scales`) or an "int4-dyn" one (the codes,
+    `scales`, `zero_points`), on the CPU.
 
-    Products: "matmulnbits", ONNX Runtime's operator (the default where it is installed), on a session holding its
-    own packed copy of the weight, made with the layer; "reference", the same numbers in PyTorch (the default
-    without it). Inputs are taken in float32 and the result rounded to their dtype."""
+    Products: "matmulnbits", ONNX Runtime's operator (the default where it is installed), on a session made with the
+    layer. Where the session multiplies from a packed copy of its own (`packs_its_own_copy`), the layer lets the
+    values go (`weight`, `scales` and `zero_points` are None), so that the weight is held once. "reference", the same
+    numbers in PyTorch from the values, where ONNX Runtime is not installed. Inputs are taken in float32 and the
+    result rounded to their dtype."""
 
     def __init__(
         self, layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, zero_points: Optional[torch.Tensor] = None
     ):
         super().__init__(layer)
         del self.weight
+        self.out_features, self.in_features = codes.shape[0], scales.shape[1] * GROUP_SIZE  # this process's slice
+        self.bits = 8 if zero_points is None else 4
+        self.made_from_bytes = sum(t.numel() * t.element_size() for t in (codes, scales, zero_points) if t is not None)
+        self.session = MatMulNBits(codes, scales, zero_points) if onnxruntime_available() else None
+        if self.session is not None and packs_its_own_copy(self.bits):
+            codes = scales = zero_points = None
         self.register_buffer("weight", codes)
         self.register_buffer("scales", scales)
-        self.register_buffer("zero_points", zero_points)  # None for 8 bits: not in the state dict
-        self.out_features, self.in_features = codes.shape[0], scales.shape[1] * GROUP_SIZE  # this process's slice
-        self.session = MatMulNBits(codes, scales, zero_points) if onnxruntime_available() else None
+        self.register_buffer("zero_points", zero_points)
 
     @property
     def scheme(self) -> str:
-        return "int8-dyn" if self.zero_points is None else "int4-dyn"
+        return "int8-dyn" if self.bits == 8 else "int4-dyn"
 
     def default_kernel(self) -> str:
         return "matmulnbits" if self.session is not None else "reference"
 
+    def values_bytes(self) -> int:
+        return self.made_from_bytes  # held by the session where the layer let them go
+
     def products(self, rows: int) -> dict:
-        products = {"reference": self.reference_product}
         if self.session is not None:
-            products["matmulnbits"] = self.matmulnbits_product
-        return products
+            return {"matmulnbits": self.matmulnbits_product}
+        return {"reference": self.reference_product}
 
     def activation_dtype(self) -> torch.dtype:
         return torch.float32
@@ -226,15 +260,6 @@ class DynLinear(QuantizedLinear):
     def matmulnbits_product(self, x: torch.Tensor) -> torch.Tensor:
         y = self.session(x.reshape(-1, x.shape[-1]))
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-
-    def __getstate__(self):
-        # A session cannot be copied or saved: a copy of this layer makes its own.
-        return {**super().__getstate__(), "session": None}
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        if onnxruntime_available():
-            self.session = MatMulNBits(self.weight, self.scales, self.zero_points)
 
 
 def int8_dyn_layer(layer: nn.Module) -> Optional[DynLinear]:

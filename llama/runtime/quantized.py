@@ -91,6 +91,10 @@ class QuantizedLinear(MeasuredLinear):
     def default_kernel(self) -> str:
         return self.CPU_DEFAULT if self.weight.device.type == "cpu" else self.GPU_DEFAULT
 
+    def values_bytes(self) -> int:
+        """Bytes of its quantized values, scales and zeros."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return self.products(0)[self.default_kernel()](x)
@@ -281,5 +285,5 @@ def is_quantized(layer: nn.Module) -> bool:
 
 
 def quantized_bytes(model: nn.Module) -> int:
-    """Bytes of the quantized layers' tensors (quantized values, scales and zeros) in `model`."""
-    return sum(t.numel() * t.element_size() for m in model.modules() if is_quantized(m) for t in m.buffers())
+    """Bytes of the quantized layers' quantized values, scales and zeros in `model`."""
+    return sum(m.values_bytes() for m in model.modules() if is_quantized(m))
