@@ -16,8 +16,6 @@ import os
 import time
 from datetime import timedelta
 
-from torch._dynamo.utils import counters
-
 from llama import Llama
 
 PROMPTS = [
@@ -89,6 +87,8 @@ def main() -> None:
     next_turn = {"warm": warm, "cold": cold, "reused": reused}
     result = {"rank": rank, "greedy": greedy, "sampled": sampled, "next_turn": next_turn, "weights": weights}
     if args.compile:  # how many graphs the compiled decode step became, and the reasons it was broken up
+        from torch._dynamo.utils import counters  # imported only here: torch._dynamo takes seconds to import
+
         result["compiled_graphs"] = counters["stats"]["unique_graphs"]
         result["graph_breaks"] = list(counters["graph_break"])
     with open(f"{args.out_prefix}.rank{rank}.json", "w") as f:
