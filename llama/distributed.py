@@ -11,7 +11,8 @@ import ctypes
 import logging
 import os
 from datetime import timedelta
-from typing import Optional, Union
+from pathlib import Path
+from typing import Iterable, Optional, Union
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
@@ -186,23 +187,26 @@ _malloc_trim = None  # glibc's, once looked up
 MADV_DONTNEED = 4  # Linux's madvise advice: drop the range's pages from this process
 
 
-def forget_mapped_pages(tensor: torch.Tensor) -> None:
-    """Drop this process's resident pages of a tensor read from a file mapped copy-on-write (a checkpoint loaded
-    with `mmap=True`), on Linux: they stop counting in its memory, and a later read maps them again from the file
-    (or the system's page cache). Only for a tensor nothing has written to: a private mapping's written pages would
-    go back to the file's contents. Pages the storage shares with its neighbours are kept."""
+def forget_file_pages(paths: Iterable[Path]) -> None:
+    """Drop this process's resident pages of its mappings of the files at `paths` (Linux; nothing elsewhere): they
+    stop counting in its memory, and a later read maps them again from the file (or the system's page cache). Only
+    for files mapped read-only or copy-on-write and never written through the mapping: a private mapping's written
+    pages would go back to the file's contents."""
     global _madvise
     if _madvise is None:
         try:
             _madvise = ctypes.CDLL("libc.so.6").madvise if os.uname().sysname == "Linux" else False
         except (OSError, AttributeError):
             _madvise = False
-    storage = tensor.untyped_storage()
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = -(-storage.data_ptr() // page) * page
-    end = (storage.data_ptr() + storage.nbytes()) // page * page
-    if _madvise and end > start:
-        _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+    if not _madvise:
+        return
+    files = {os.path.realpath(path) for path in paths}
+    with open("/proc/self/maps") as maps:
+        for line in maps:  # "start-end perms offset dev inode path"
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") in files:
+                start, end = (int(address, 16) for address in fields[0].split("-"))
+                _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
 _madvise = None  # Linux's, once looked up

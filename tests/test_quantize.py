@@ -15,7 +15,7 @@ from helpers import GQA_PARAMS
 from llama import Llama
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, random_weights, write_meta_checkpoint
 from llama.checkpoint.convert import meta_to_hf, quantize_checkpoint
-from llama.checkpoint.meta import MetaCheckpoint
+from llama.checkpoint.shards import CheckpointReader
 from llama.model import Transformer
 from llama.quantize import dequantize, quantize_int4, quantize_int8, unpack_nibbles
 from llama.runtime import for_runtime, quantize_model
@@ -248,25 +248,30 @@ def mapped_bytes(path) -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
 @pytest.mark.parametrize("scheme", ["int8", "int4-dyn"])
-def test_a_quantized_load_lets_go_of_the_checkpoint_pages_it_quantized(process_group, tmp_path, monkeypatch, scheme):
+@pytest.mark.parametrize("layout", ["meta", "hf"])
+def test_a_quantized_load_lets_go_of_the_checkpoint_pages_it_quantized(
+    process_group, tmp_path, monkeypatch, layout, scheme
+):
     """Once quantized, a layer's pages of the mapped checkpoint are not held: after the load, the process holds a
-    small part of the file instead of all of it, and the model computes the same logits (the embedding, still mapped,
-    is read from the file again)."""
+    small part of the file instead of all of it, and the model computes the same logits (a Meta checkpoint's
+    embedding, still mapped, is read from the file again)."""
     params = {**GQA_PARAMS, "dim": 512, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 1024}
-    write_meta_checkpoint(tmp_path / "ckpt", params, random_weights(params, seed=5))
-    path = (tmp_path / "ckpt" / "consolidated.00.pth").resolve()
+    write_meta_checkpoint(tmp_path / "meta", params, random_weights(params, seed=5))
+    if layout == "hf":
+        meta_to_hf(tmp_path / "meta", tmp_path / "hf")
+    source = tmp_path / layout
     tokens = torch.randint(0, params["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(1))
 
     def held_after_load_and_logits():
-        reader = open_checkpoint(tmp_path / "ckpt")
+        reader = open_checkpoint(source)
         args = model_args_from(reader.params, max_seq_len=16, max_batch_size=2)[0]
         model = load_model(reader, args, 0, 1, torch.device("cpu"), torch.bfloat16, quantize=scheme)
-        held = mapped_bytes(path)
-        return held, model(tokens, 0)
+        (mapped,) = reader.mapped_files()
+        return mapped.resolve(), mapped_bytes(mapped.resolve()), model(tokens, 0)
 
-    held, logits = held_after_load_and_logits()
-    monkeypatch.setattr(MetaCheckpoint, "forget_read_pages", lambda self: None)
-    held_without, expected = held_after_load_and_logits()
+    path, held, logits = held_after_load_and_logits()
+    monkeypatch.setattr(CheckpointReader, "forget_read_pages", lambda self: None)
+    _, held_without, expected = held_after_load_and_logits()
     size = path.stat().st_size
     assert held_without > 0.9 * size
     assert held < 0.1 * size

@@ -3,7 +3,7 @@ translation between the two formats' names, q/k layouts and configurations."""
 
 import re
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -221,6 +221,9 @@ class HuggingFaceCheckpoint(CheckpointReader):
     def source(self, key: str) -> str:
         file_name, hf_name = self.files[key]
         return f"{file_name} ({hf_name})"
+
+    def mapped_files(self) -> List[Path]:
+        return [self.ckpt_dir / name for name in self.handles]  # safetensors maps each file it opens
 
     def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None, dtype=None):
         file_name, hf_name = self.files[key]

@@ -1,14 +1,13 @@
 """Meta's checkpoint folders, read: params.json plus consolidated.NN.pth, one shard per model-parallel rank."""
 
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
 from llama.arguments import short_repr
 from llama.checkpoint.params import META_PARAMS, PARAMS_FIELDS, PARAMS_REQUIRED, check_fields, read_json
 from llama.checkpoint.shards import IGNORED_KEYS, CheckpointReader, split_dim
-from llama.distributed import forget_mapped_pages
 
 
 class MetaCheckpoint(CheckpointReader):
@@ -56,10 +55,8 @@ class MetaCheckpoint(CheckpointReader):
     def source(self, key: str) -> str:
         return ", ".join(f.name for f in self.files)
 
-    def forget_read_pages(self) -> None:
-        for shard in self.shards:
-            for tensor in shard.values():
-                forget_mapped_pages(tensor)
+    def mapped_files(self) -> List[Path]:
+        return self.files  # torch.load(mmap=True)
 
     def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None, dtype=None):
         if dim is None:

@@ -10,6 +10,7 @@ from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
 
+from llama.distributed import forget_file_pages
 from llama.model import ModelArgs
 
 # fairscale's layout: column-parallel layers (and the vocab-parallel embedding) split their weight along
@@ -77,10 +78,15 @@ class CheckpointReader:
         """Where `key` lives, for error messages."""
         raise NotImplementedError
 
+    def mapped_files(self) -> List[Path]:
+        """The files this reader maps into memory to read them."""
+        return []
+
     def forget_read_pages(self) -> None:
-        """Stop holding the file pages read so far in this process's memory, where the format maps its files: called
-        as a quantized load goes, once what was read has been quantized (nothing has written to it). A tensor the
-        model keeps as read (the embedding) reads its pages from the file again as it is used."""
+        """Stop holding the file pages read so far in this process's memory: called as a quantized load goes, once
+        what was read has been quantized (nothing has written to it). A tensor the model keeps as read (the
+        embedding of a Meta checkpoint) reads its pages from the file again as it is used."""
+        forget_file_pages(self.mapped_files())
 
     def read(self, key: str, dim: Optional[int] = None, start: int = 0, length: Optional[int] = None, dtype=None):
         """The tensor `key`, or its slice [start, start + length) along `dim` (in `dtype` if pieces are joined)."""
