@@ -165,11 +165,12 @@ def load_model(
             layer = model.get_submodule(name)
             layer.weight = torch.nn.Parameter(tensor, requires_grad=False)
             model.set_submodule(name, quantize_layer(layer, layer_scheme(name, quantize), group_size))
+            # The file pages its weight was read from (a quantized checkpoint's layer may still read them: kept).
+            reader.forget_read_pages()
         else:
             weights[key] = tensor
             continue
         release_freed_memory()  # the temporaries a quantized layer was made through
-        reader.forget_read_pages()  # and the file pages it was read from
     model.load_state_dict(weights, strict=not quantize, assign=True)
     model.init_kv_caches(device, dtype)
     return model.eval()
