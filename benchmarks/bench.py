@@ -193,6 +193,7 @@ def decode_step_bytes(model) -> int:
     unless it doubles as the output head; a weight that runs on a float16 copy (`llama.runtime.cpu.CPULinear`), 2 bytes
     each."""
     from llama.runtime.cpu import layers_of, product_owners
+    from llama.runtime.onnx_dyn import DynLinear
 
     on_copies = set()
     for owner in product_owners(model):  # `packed` maps a kernel to (versions, copy), None where fp16 cannot hold it
@@ -204,7 +205,9 @@ def decode_step_bytes(model) -> int:
     for name, p in tensors:
         if name != "tok_embeddings.weight" and "kv_cache" not in name:
             weights[id(p)] = p.numel() * (2 if id(p) in on_copies else p.element_size())
-    return sum(weights.values())
+    # An int8-dyn or int4-dyn layer's values live in its ONNX Runtime session: counted as they were made.
+    held_elsewhere = [m.values_bytes() for m in model.modules() if isinstance(m, DynLinear) and m.weight is None]
+    return sum(weights.values()) + sum(held_elsewhere)
 
 
 def kernel_counts(model) -> dict:
