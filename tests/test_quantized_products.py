@@ -15,9 +15,17 @@ from fairscale.nn.model_parallel.layers import ColumnParallelLinear
 from helpers import GQA_PARAMS
 
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, random_weights, write_meta_checkpoint
-from llama.quantize import dequantize, quantize_int4
+from llama.quantize import dequantize, quantize_int4, unpack_nibbles
 from llama.runtime import for_runtime, quantize_model
-from llama.runtime.quantized import Int4Linear, Int8Linear, QuantizedLinear, dequantized_int4_weight, quantize_layer
+from llama.runtime.quantized import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    cpu_int4_block_rows,
+    dequantized_int4_weight,
+    quantize_layer,
+    unpack_cpu_int4,
+)
 from llama.runtime.quantized_kernels import TIMED_ROWS, fastest
 
 
@@ -112,6 +120,44 @@ def test_an_int8_choice_once_timed_is_kept_by_every_later_load(process_group, tm
     KernelCache.IN_PROCESS.clear()  # as a new process starts: from the file
     quantized_kernels.choose_quantized_kernels(layer)
     assert layer.kernels == first
+
+
+def int4_layer(rows: int, cols: int):
+    """An int4 layer (groups of 32) of a random weight, and the values it was quantized to."""
+    layer = ColumnParallelLinear(cols, rows, bias=False, gather_output=False, init_method=lambda x: x)
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(6)) * 0.05
+    values = quantize_int4(weight, 32, torch.float32)
+    return Int4Linear(layer, *values), values
+
+
+def test_the_cpu_widens_int4_prompts_in_blocks_to_the_same_product(process_group):
+    """The CPU kernel's layout is read back to the levels it was made from, and the widened product of a weight of
+    several blocks (`chunk_rows`) is the dequantized weight's, as PyTorch's int4 kernel's is."""
+    layer, (nibbles, scales, zeros) = int4_layer(rows=4160, cols=1024)  # blocks of 2048 rows, 2048, then 64
+    block_rows = cpu_int4_block_rows()
+    assert block_rows is not None and set(layer.products(64)) == {"tinygemm", "widened32"}
+    assert torch.equal(unpack_cpu_int4(layer.weight, block_rows), unpack_nibbles(nibbles))
+    x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(9))
+    expected = x @ dequantize(nibbles, scales, zeros).t()
+    torch.testing.assert_close(layer.widened32_product(x), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(layer.int4_product(x), expected, atol=1e-4, rtol=1e-4)
+    assert layer.widened32_product(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_the_cpu_chooses_an_int4_product_per_row_count_by_timing_them(process_group, tmp_path, monkeypatch):
+    from llama.runtime import quantized_kernels
+
+    def slow(x, **values):
+        time.sleep(0.003)
+        return x
+
+    layer, _ = int4_layer(rows=128, cols=256)
+    for faster in ("tinygemm", "widened32"):
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / faster))  # a machine that has measured nothing
+        products = {name: (lambda x, **values: x) if name == faster else slow for name in ("tinygemm", "widened32")}
+        monkeypatch.setattr(quantized_kernels, "CPU_INT4_PRODUCTS", products)
+        quantized_kernels.choose_quantized_kernels(layer)
+        assert layer.kernels == {rows: faster for rows in quantized_kernels.CPU_TIMED_ROWS}
 
 
 def test_an_environment_variable_pins_one_product_and_nothing_is_timed(process_group, monkeypatch):

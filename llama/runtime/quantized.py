@@ -5,6 +5,7 @@ checkpoint loads or as `quantize_model` runs. `Int4Embedding`: a token embedding
 GGUF file brings.
 """
 
+import functools
 from typing import Optional
 
 import fairscale.nn.model_parallel.initialize as fs_init
@@ -124,6 +125,51 @@ def widened_in_blocks(
     return (torch.cat(outputs, dim=-1) * scales.to(dtype)).to(x.dtype).view(*x.shape[:-1], -1)
 
 
+def int4_cpu_product(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int):
+    """PyTorch's int4 kernel for the CPU, on a weight in its layout (`_convert_weight_to_int4pack_for_cpu`)."""
+    rows, scales_and_zeros = x.reshape(-1, x.shape[-1]), scales_and_zeros.to(x.dtype)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
+    return y.view(*x.shape[:-1], packed.shape[0])
+
+
+@functools.cache
+def cpu_int4_block_rows() -> Optional[int]:
+    """The rows per block of the layout `_convert_weight_to_int4pack_for_cpu` makes here, or None where it is none of
+    those `unpack_cpu_int4` reads. The layout is PyTorch's own and depends on the CPU's instructions (wider blocks
+    with AVX-512), so it is found by packing a random weight and reading it back."""
+    levels = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 2)
+    return next((rows for rows in (64, 32, 16) if torch.equal(unpack_cpu_int4(packed, rows).int(), levels)), None)
+
+
+def unpack_cpu_int4(packed: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """The int4 levels (uint8, out x in) of rows of the CPU kernel's layout, blocks of `block_rows` rows: each block
+    holds, for each input in turn, the block's first half of rows in low nibbles and its second half in high ones."""
+    blocks = packed.view(-1, packed.shape[1] * 2, block_rows // 2)  # (blocks, inputs, half a block's rows)
+    return torch.cat([blocks & 0xF, blocks >> 4], dim=-1).transpose(1, 2).reshape(-1, packed.shape[1] * 2)
+
+
+def widened_int4_in_blocks(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """On the CPU: the int4 weight in the kernel's layout dequantized to float32 a block of output rows at a time
+    into one buffer reused for every block, as `widened_in_blocks` does for int8, and each block's product by MKL's
+    float32 `F.linear`: on a prompt's rows, faster than the one-row int4 kernel (docs/quantize.md)."""
+    block_rows = cpu_int4_block_rows()
+    rows = x.reshape(-1, x.shape[-1]).float()
+    out_features, in_features = packed.shape[0], packed.shape[1] * 2
+    step = max(block_rows, chunk_rows(in_features) // block_rows * block_rows)
+    buffer = torch.empty(min(step, out_features), in_features)
+    outputs = []
+    for start in range(0, out_features, step):
+        levels = unpack_cpu_int4(packed[start : start + step], block_rows)
+        scale, zero = scales_and_zeros[:, start : start + step].float().permute(2, 1, 0)[..., None]
+        weight = buffer[: len(levels)].view(len(levels), -1, group_size)
+        weight.copy_(levels.view_as(weight)).sub_(8).mul_(scale).add_(zero)
+        outputs.append(F.linear(rows, buffer[: len(levels)]))
+    return torch.cat(outputs, dim=-1).to(x.dtype).view(*x.shape[:-1], out_features)
+
+
 class Int8Linear(QuantizedLinear):
     """A fairscale linear layer with an int8 weight (`weight`, `scales`) in place of its float one.
 
@@ -208,19 +254,23 @@ class Int4Linear(QuantizedLinear):
         products = {"tinygemm": self.int4_product}
         if hasattr(self, "nibbles"):
             products["dequantized"] = self.dequantized_product
+        block_rows = cpu_int4_block_rows() if self.weight.device.type == "cpu" else None
+        if block_rows and self.out_features % block_rows == 0:
+            products["widened32"] = self.widened32_product
         return products
 
     def activation_dtype(self) -> torch.dtype:
         return self.scales_and_zeros.dtype
 
     def int4_product(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        scales_and_zeros = self.scales_and_zeros.to(x.dtype)
         if x.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.weight, self.group_size, scales_and_zeros)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm(rows, self.weight, self.group_size, scales_and_zeros)
+            return int4_cpu_product(x, self.weight, self.scales_and_zeros, self.group_size)
+        rows, scales_and_zeros = x.reshape(-1, x.shape[-1]), self.scales_and_zeros.to(x.dtype)
+        y = torch.ops.aten._weight_int4pack_mm(rows, self.weight, self.group_size, scales_and_zeros)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def widened32_product(self, x: torch.Tensor) -> torch.Tensor:
+        return widened_int4_in_blocks(x, self.weight, self.scales_and_zeros, self.group_size)
 
     def dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
         weight = compiled_on_cuda(dequantized_int4_weight, self.nibbles, self.group_scales, self.group_zeros)

@@ -1,7 +1,7 @@
 """Step 5 of `for_runtime`: each quantized weight's product chosen by timing every way to compute it
 (`QuantizedLinear.products`) at the row counts that matter: a decode step's, a batch's, a prompt's; on a GPU for
 every scheme, on the CPU for int8 (PyTorch's kernel, or the weight widened a block at a time for `F.linear`, in the
-activations' dtype or in float32).
+activations' dtype or in float32) and int4 (PyTorch's kernel, or widened to float32).
 
 Which one is fastest depends on the device, the PyTorch build and the weight's shape (docs/cuda.md has the figures),
 so it is measured, not assumed. The products give the same values up to the order of float32 sums
@@ -23,8 +23,11 @@ from llama.runtime.quantized import (
     Int4Linear,
     Int8Linear,
     QuantizedLinear,
+    cpu_int4_block_rows,
+    int4_cpu_product,
     int8_kernel_product,
     widened_in_blocks,
+    widened_int4_in_blocks,
 )
 from llama.runtime.timing import graph_seconds_or_first, time_kernels, timed
 
@@ -39,14 +42,15 @@ CPU_INT8_PRODUCTS = {
     "widened": widened_in_blocks,
     "widened32": functools.partial(widened_in_blocks, dtype=torch.float32),
 }
+CPU_INT4_PRODUCTS = {"tinygemm": int4_cpu_product, "widened32": widened_int4_in_blocks}
 PRODUCT_VARIABLE = "LLAMA_QUANTIZED_PRODUCT"  # pins one product (`pinned_product`)
 SCREEN = 4  # products more than this many times slower than the best at a first, eager call are not timed further
 
 
 def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Dict[int, str]]:
     """Step 5: set each quantized layer's `kernels` where it has more than one product (on a GPU every one; on the
-    CPU the int8 ones), chosen once per (type, weight shape) from the kernel cache or timed; free the int4 weights'
-    second copies no chosen product reads. Returns the choices by (type name, out, in)."""
+    CPU the int8 and int4 ones), chosen once per (type, weight shape) from the kernel cache or timed; free the int4
+    weights' second copies no chosen product reads. Returns the choices by (type name, out, in)."""
     cache = KernelCache()
     choices = {}
     for layer in model.modules():
@@ -71,11 +75,11 @@ def measured_choice(layer: QuantizedLinear, cache: KernelCache) -> Dict[int, str
     product = f"{type(layer).__name__} {layer.activation_dtype()} {layer.out_features}x{layer.in_features} on {device}"
     choice = {}
     for rows in CPU_TIMED_ROWS if on_cpu else TIMED_ROWS:
-        candidates = sorted(CPU_INT8_PRODUCTS if on_cpu else layer.products(rows))
+        candidates = sorted(layer.products(rows))
         key = cache.key(product, rows, candidates)
         measured = cache.get(key)
         if measured is None:
-            measured = cpu_int8_timings(layer, rows) if on_cpu else gpu_timings(layer, rows)
+            measured = cpu_timings(layer, rows) if on_cpu else gpu_timings(layer, rows)
             cache.put(key, measured)
         choice[rows] = measured.fastest()
     return choice
@@ -94,13 +98,22 @@ def pinned_product(layer: QuantizedLinear) -> Optional[str]:
     return name if name in layer.products(2) else None
 
 
-def cpu_int8_timings(layer: Int8Linear, rows: int) -> Measured:
-    """Each CPU int8 product's time for `rows` rows, timed on the weight's first rows (about `CPU_SAMPLE_VALUES`
-    weights: each output row is computed alone, so its time per weight is the whole weight's)."""
+def cpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
+    """Each CPU product's time for `rows` rows, timed on the weight's first rows (about `CPU_SAMPLE_VALUES` weights;
+    for int4 whole blocks of its kernel's layout): each output row is computed alone, so its time per weight is the
+    whole weight's."""
     sample = max(1, CPU_SAMPLE_VALUES // layer.in_features)
-    q, scales = layer.weight[:sample], layer.scales[:sample]
-    products = {name: functools.partial(product, q=q, scales=scales) for name, product in CPU_INT8_PRODUCTS.items()}
-    return product_timings(products, torch.randn(rows, layer.in_features, dtype=scales.dtype), repeats=3)
+    if isinstance(layer, Int8Linear):
+        values = dict(q=layer.weight[:sample], scales=layer.scales[:sample])
+        products = CPU_INT8_PRODUCTS
+    else:
+        block_rows = cpu_int4_block_rows()
+        sample = max(block_rows, sample // block_rows * block_rows)
+        scales_and_zeros = layer.scales_and_zeros[:, :sample]
+        values = dict(packed=layer.weight[:sample], scales_and_zeros=scales_and_zeros, group_size=layer.group_size)
+        products = CPU_INT4_PRODUCTS
+    x = torch.randn(rows, layer.in_features, dtype=layer.activation_dtype())
+    return product_timings({name: functools.partial(product, **values) for name, product in products.items()}, x, 3)
 
 
 def gpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
