@@ -75,13 +75,9 @@ def reset_peak_rss() -> bool:
 
 def mapped_ranges(suffix: str = ".pth"):
     """Address ranges of this process's mappings of files whose name ends with `suffix`."""
-    ranges = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        parts = line.split()
-        if len(parts) >= 6 and parts[5].endswith(suffix):
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            ranges.append((start, end))
-    return ranges
+    from llama.distributed import file_mappings
+
+    return file_mappings(lambda path: path.endswith(suffix))
 
 
 def worker(ckpt_dir: str, tokenizer_path: str, out_dir: str, dtype: str, quantize: str = None) -> None:
