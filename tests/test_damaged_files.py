@@ -185,14 +185,17 @@ def test_a_bad_config_json_value_names_file_and_field(hf_folder, tmp_path):
         open_checkpoint(folder)
 
 
-def test_params_json_is_read_through_blobfile(tiny_checkpoint, monkeypatch):
-    import llama.checkpoint.params
+def test_params_json_at_a_blobfile_url_is_read_through_blobfile(monkeypatch):
+    import blobfile
 
-    read = []
-    real = llama.checkpoint.params.blobfile.read_text
-    monkeypatch.setattr(llama.checkpoint.params.blobfile, "read_text", lambda path: read.append(path) or real(path))
-    assert open_checkpoint(tiny_checkpoint).params == TINY_PARAMS
-    assert read == [str(tiny_checkpoint / "params.json")]
+    from llama.checkpoint.params import read_json
+
+    url = "gs://some-bucket/Meta-Llama-3-8B/params.json"
+    calls = []
+    monkeypatch.setattr(blobfile, "exists", lambda path: calls.append(("exists", path)) or True)
+    monkeypatch.setattr(blobfile, "read_text", lambda path: calls.append(("read_text", path)) or json.dumps(TINY_PARAMS))
+    assert read_json(url) == TINY_PARAMS
+    assert calls == [("exists", url), ("read_text", url)]
 
 
 @pytest.mark.parametrize(
@@ -242,12 +245,12 @@ def test_a_key_written_twice_in_params_json_is_refused(tiny_checkpoint, tmp_path
 
 
 def test_params_json_that_cannot_be_read_is_named(tiny_checkpoint, tmp_path, monkeypatch):
-    import llama.checkpoint.params
+    import llama.files
 
     def denied(path):
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(llama.checkpoint.params.blobfile, "read_text", denied)
+    monkeypatch.setattr(llama.files, "read_text", denied)
     with pytest.raises(ValueError, match=r"Cannot read .*params\.json: .*Permission denied"):
         open_checkpoint(tiny_checkpoint)
 

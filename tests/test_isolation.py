@@ -99,15 +99,15 @@ def test_fairscale_says_nothing_on_stdout_from_the_python_api(tiny_checkpoint, t
     assert "initializing model parallel with size 1" in result.stderr  # through logging, at INFO
 
 
-def test_loading_and_decoding_do_not_import_the_compiler(tiny_checkpoint, tokenizer_path):
+def test_loading_and_decoding_do_not_import_the_compiler_or_blobfile(tiny_checkpoint, tokenizer_path):
     """torch._dynamo takes about 2 s to import: a load that does not compile (the default on the CPU) never needs it,
-    and a command's start does not wait for it."""
+    and a command's start does not wait for it. Nor for blobfile (a quarter of a second), from local files."""
     script = (
         "import sys; from llama import Llama\n"
         f"g = Llama.build({str(tiny_checkpoint)!r}, {tokenizer_path!r}, max_seq_len=16, max_batch_size=1, "
         "device='cpu')\n"
         "g.text_completion(['Hello'], max_gen_len=2)\n"
-        "print(sorted(name for name in sys.modules if name.startswith('torch._dynamo')))\n"
+        "print(sorted(name for name in sys.modules if name.startswith(('torch._dynamo', 'blobfile'))))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300, env=quiet_env()

@@ -418,11 +418,11 @@ class ValidatedFileTest(unittest.TestCase):
     def test_a_file_that_cannot_be_read(self):
         from unittest import mock
 
-        import llama.tokenizer.bpe
+        import llama.files
 
         self.path.write_bytes(b"\n".join(byte_lines()) + b"\n")
         denied = PermissionError(13, "Permission denied")
-        with mock.patch.object(llama.tokenizer.bpe.blobfile, "read_bytes", side_effect=denied):
+        with mock.patch.object(llama.files, "read_bytes", side_effect=denied):
             with self.assertRaisesRegex(ValueError, f"Cannot read the tokenizer model file {self.path}.*denied"):
                 Tokenizer(str(self.path))
 
@@ -542,20 +542,21 @@ class SplitTest(unittest.TestCase):
 
 
 class BlobfileTest(unittest.TestCase):
-    """tokenizer.model is read through blobfile, so a path may be local or a blobfile URL."""
+    """tokenizer.model may be a local path or a blobfile URL (`llama.files`)."""
 
     @classmethod
     def setUpClass(cls):
-        import llama.tokenizer.bpe
+        import blobfile
 
-        # The blobfile module as llama.tokenizer.bpe sees it; patching its functions patches what the tokenizer calls.
-        cls.blobfile = llama.tokenizer.bpe.blobfile
+        cls.blobfile = blobfile  # patching its functions patches what `llama.files` calls for a URL
 
-    def test_local_path_is_read_through_blobfile(self):
+    def test_local_path_is_read_every_time(self):
         from unittest import mock
 
+        import llama.files
+
         path = find_tokenizer_path()
-        with mock.patch.object(self.blobfile, "read_bytes", wraps=self.blobfile.read_bytes) as read:
+        with mock.patch.object(llama.files, "read_bytes", wraps=llama.files.read_bytes) as read:
             tokenizer = Tokenizer(path)
             self.assertEqual(read.call_args_list, [mock.call(path)])
             Tokenizer(path)

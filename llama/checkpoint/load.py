@@ -8,12 +8,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Dict, Optional, Tuple, Union
 
-import blobfile
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from llama import files
 from llama.arguments import short_repr
 from llama.checkpoint.gguf_file import GGUFCheckpoint
 from llama.checkpoint.hf import HuggingFaceCheckpoint
@@ -85,9 +85,9 @@ def find_tokenizer(ckpt_dir, tokenizer_path: Optional[str] = None) -> str:
         located = checkpoint_path(ckpt_dir)
         if is_gguf_file(located):
             return str(located)  # its vocabulary is inside
-    candidates = [blobfile.join(str(ckpt_dir), name) for name in ("tokenizer.model", "original/tokenizer.model")]
+    candidates = [files.join(str(ckpt_dir), name) for name in ("tokenizer.model", "original/tokenizer.model")]
     for candidate in candidates:
-        if blobfile.exists(candidate) and not blobfile.isdir(candidate):
+        if files.exists(candidate) and not files.isdir(candidate):
             return candidate
     raise FileNotFoundError(f"No tokenizer.model found (looked at {', '.join(candidates)}); pass tokenizer_path")
 

@@ -9,8 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-import blobfile
-
+from llama import files
 from llama.arguments import short_repr
 from llama.model import ModelArgs
 from llama.quantize import INT4_GROUP_SIZES, SCHEMES
@@ -100,17 +99,17 @@ MAX_JSON_DEPTH = 32  # configuration files nest a few levels; json.loads recurse
 
 
 def read_json(path: Union[str, Path]) -> dict:
-    """A JSON object from a file, read through blobfile: a local path or a blobfile URL (gs://, az://).
+    """A JSON object from a file (`llama.files`): a local path or a blobfile URL (gs://, az://).
 
     Raises:
         FileNotFoundError: when nothing exists at `path`.
         ValueError: naming `path`, when it cannot be read, is not JSON, nests deeper than `MAX_JSON_DEPTH`, holds
             a key twice in one object, or is not an object.
     """
-    if not blobfile.exists(str(path)):
+    if not files.exists(str(path)):
         raise FileNotFoundError(f"{path} not found")
     try:
-        text = blobfile.read_text(str(path))
+        text = files.read_text(str(path))
     except OSError as e:
         raise ValueError(f"Cannot read {path}: {e}") from e
     except UnicodeDecodeError as e:

@@ -11,9 +11,9 @@ from logging import getLogger
 from pathlib import Path
 from typing import Literal, Optional
 
-import blobfile
 import tiktoken
 
+from llama import files
 from llama.arguments import short_repr, token_id_list
 from llama.tokenizer.gguf_vocab import is_gguf_file, read_gguf_ranks
 
@@ -74,7 +74,7 @@ def load_bpe_ranks(path: str) -> dict[bytes, int]:
     in place would be ignored. Checked here, because tiktoken trusts the file: a rank used twice makes its Rust core
     panic (a BaseException), a rank gap or a token listed twice gives an ordinary token the ID of a special one.
 
-    The bytes come through `blobfile`, so `path` may be local or a blobfile URL (`gs://...`, `az://...`).
+    The bytes come through `llama.files`, so `path` may be local or a blobfile URL (`gs://...`, `az://...`).
 
     Raises:
         FileNotFoundError: If nothing exists at `path`.
@@ -84,7 +84,7 @@ def load_bpe_ranks(path: str) -> dict[bytes, int]:
         ranks = read_gguf_ranks(path)
     else:
         try:
-            data = blobfile.read_bytes(path)
+            data = files.read_bytes(path)
         except FileNotFoundError:
             raise FileNotFoundError(f"Tokenizer model file not found: {path}") from None
         except (OSError, ValueError) as e:
@@ -201,7 +201,7 @@ class Tokenizer:
             raise ValueError(f"model_path must be the path of a tokenizer.model file, got {short_repr(model_path)}")
         model_path = os.fspath(model_path)
         try:
-            exists, is_folder = blobfile.exists(model_path), blobfile.isdir(model_path)
+            exists, is_folder = files.exists(model_path), files.isdir(model_path)
         except (OSError, ValueError) as e:  # e.g. a path with a NUL character in it
             raise ValueError(f"Cannot read the tokenizer model file {model_path!r}: {e}") from e
         if not exists:
@@ -209,7 +209,7 @@ class Tokenizer:
         if is_folder:
             raise ValueError(
                 f"Tokenizer path {model_path} is a folder; pass the tokenizer.model file inside it "
-                f"(e.g. {blobfile.join(model_path, 'tokenizer.model')})"
+                f"(e.g. {files.join(model_path, 'tokenizer.model')})"
             )
         self.version = version
 
