@@ -193,7 +193,8 @@ def test_params_json_at_a_blobfile_url_is_read_through_blobfile(monkeypatch):
     url = "gs://some-bucket/Meta-Llama-3-8B/params.json"
     calls = []
     monkeypatch.setattr(blobfile, "exists", lambda path: calls.append(("exists", path)) or True)
-    monkeypatch.setattr(blobfile, "read_text", lambda path: calls.append(("read_text", path)) or json.dumps(TINY_PARAMS))
+    text = json.dumps(TINY_PARAMS)
+    monkeypatch.setattr(blobfile, "read_text", lambda path: calls.append(("read_text", path)) or text)
     assert read_json(url) == TINY_PARAMS
     assert calls == [("exists", url), ("read_text", url)]
 

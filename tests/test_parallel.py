@@ -98,9 +98,10 @@ def start(
     out_prefix: Path,
     *worker_args,
     wait_for: Optional[List[int]] = None,
+    **extra_env: str,
 ) -> Started:
-    """Start the commands together, each followed by the worker's arguments; those in `wait_for` (default: all)
-    are given RUN_DEADLINE seconds from now to exit."""
+    """Start the commands together, each followed by the worker's arguments, in `worker_env` plus `extra_env`;
+    those in `wait_for` (default: all) are given RUN_DEADLINE seconds from now to exit."""
     wait_for = list(range(len(commands))) if wait_for is None else wait_for
     args = [str(ckpt), tokenizer_path, str(out_prefix), *map(str, worker_args)]
     logs = [(Path(f"{out_prefix}.{i}.stdout"), Path(f"{out_prefix}.{i}.stderr")) for i in range(len(commands))]
@@ -108,44 +109,54 @@ def start(
     for command, (stdout, stderr) in zip(commands, logs):
         with open(stdout, "w") as out, open(stderr, "w") as err:
             procs.append(
-                subprocess.Popen(command + args, stdout=out, stderr=err, env=worker_env(), start_new_session=True)
+                subprocess.Popen(
+                    command + args, stdout=out, stderr=err, env={**worker_env(), **extra_env}, start_new_session=True
+                )
             )
     return Started(commands, procs, logs, out_prefix, wait_for, time.monotonic() + RUN_DEADLINE)
 
 
-def finish(started: Started) -> Run:
-    """Wait for the commands in `started.wait_for` to exit, then stop the others. A command's exit is seen (and
-    timed, `Run.ended`) while this waits: finish a run whose exit times matter first.
+def finish(*runs: Started) -> List[Run]:
+    """Wait for the commands in each run's `wait_for` to exit, then stop the others. Every command's exit is seen
+    (and timed, `Run.ended`) while any is waited for: runs finished together are timed alike.
 
     Raises:
-        pytest.fail.Exception: when a command in `wait_for` is still running at the deadline.
+        pytest.fail.Exception: when a command in a `wait_for` is still running at its run's deadline.
     """
-    procs, wait_for = started.procs, started.wait_for
-    ended = [float("nan")] * len(procs)
+    ended = [[float("nan")] * len(run.procs) for run in runs]
+
+    def waited(run: Started) -> bool:
+        return time.monotonic() < run.deadline and any(run.procs[i].returncode is None for i in run.wait_for)
+
     try:
-        while time.monotonic() < started.deadline and any(procs[i].returncode is None for i in wait_for):
-            for i, proc in enumerate(procs):
-                if proc.returncode is None and proc.poll() is not None:
-                    ended[i] = time.time()
+        while any(waited(run) for run in runs):
+            for run, times in zip(runs, ended):
+                for i, proc in enumerate(run.procs):
+                    if proc.returncode is None and proc.poll() is not None:
+                        times[i] = time.time()
             time.sleep(0.05)
-        late = [i for i in wait_for if procs[i].returncode is None]
+        late = [run.commands[i] for run in runs for i in run.wait_for if run.procs[i].returncode is None]
     finally:
-        stop(procs, started.out_prefix)
+        for run in runs:
+            stop(run.procs, run.out_prefix)
     if late:
-        commands = [started.commands[i] for i in late]
-        pytest.fail(f"command(s) {late} still running after {RUN_DEADLINE} s: {commands}")
-    return Run(
-        returncodes=[p.returncode for p in procs],
-        stdouts=[out.read_text() for out, _ in started.logs],
-        stderrs=[err.read_text() for _, err in started.logs],
-        ended=ended,
-        out_prefix=started.out_prefix,
-    )
+        pytest.fail(f"command(s) still running after {RUN_DEADLINE} s: {late}")
+    return [
+        Run(
+            returncodes=[p.returncode for p in run.procs],
+            stdouts=[out.read_text() for out, _ in run.logs],
+            stderrs=[err.read_text() for _, err in run.logs],
+            ended=times,
+            out_prefix=run.out_prefix,
+        )
+        for run, times in zip(runs, ended)
+    ]
 
 
 def launch(*args, **kwargs) -> Run:
     """`start` the commands and `finish` them: a run on its own."""
-    return finish(start(*args, **kwargs))
+    (run,) = finish(start(*args, **kwargs))
+    return run
 
 
 def stop(procs: List[subprocess.Popen], out_prefix: Path) -> None:
@@ -306,14 +317,10 @@ def test_quantized_two_processes_match_one_process(scheme, n_shards, stored, che
     # Side by side: the single process runs on one thread, so the three processes share the two cores. 8 tokens:
     # PyTorch's int4 kernel is slow with float32 activations (the 128256-row head takes most of the time).
     worker_args = ["--quantize", scheme, "--max-gen-len", 8]
-    started = [
+    one, two = finish(
         start(plain_python(), one_ckpt, tokenizer_path, tmp_path / "one", *worker_args),
         start(single_node(2), two_ckpt, tokenizer_path, tmp_path / "two", *worker_args),
-    ]
-    try:
-        one = finish(started[0])
-    finally:  # also when the first fails: the second is then waited for and stopped
-        two = finish(started[1])
+    )
     assert one.returncodes == [0], one.stderrs[0]
     assert two.returncodes == [0], two.stderrs[0]
     greedy = one.results(1)[0]["greedy"]
@@ -362,31 +369,53 @@ def broken_checkpoints(checkpoint, tmp_path_factory) -> Dict[str, Path]:
     return broken
 
 
+@pytest.fixture(scope="module")
+def faults(checkpoint, broken_checkpoints, tokenizer_path, tmp_path_factory) -> Dict[str, Tuple[float, Run]]:
+    """Each fault's run, by name: its launch time and what it did. The runs go side by side, since most of their
+    time is spent waiting for a timeout.
+    - "one torchrun: raise" and "one torchrun: missing": one torchrun of two processes, where rank 1 raises after
+      build (rank 0 is then in generate's all-reduce) or finds its shard missing (a shape error while loading),
+      with a collective timeout far longer than the test allows: only torchrun's agent can end rank 0.
+    - "two nodes: hang", "two nodes: raise", "two nodes: truncated": two single-process nodes, where node 1 hangs
+      or raises after build, or cannot read its shard (and so never joins the process group), and only its own
+      collectives (timeout FAULT_TIMEOUT) can end node 0; a hung node 1 is stopped once node 0 is done.
+    """
+    folder, ckpt = tmp_path_factory.mktemp("faults"), checkpoint("gqa", 2)
+    pinned = {"LLAMA_CPU_KERNEL": "linear"}  # a fault does not depend on the kernels: none are measured
+    ways = {"raise": ["--fail", "raise"], "hang": ["--fail", "hang"]}
+    ways.update({kind: ["--fail-ckpt-dir", path] for kind, path in broken_checkpoints.items()})
+    results = {}
+    # In two groups, so that starting up (most of the work) never crowds a launch past the 60 s it is allowed.
+    for kind, fault_names in (("one torchrun", ["raise", "missing"]), ("two nodes", ["hang", "raise", "truncated"])):
+        launched, started = time.time(), {}
+        for fault in fault_names:
+            name = f"{kind}: {fault}"
+            out = folder / name.replace(": ", "-").replace(" ", "_")
+            if kind == "one torchrun":
+                args, wait_for = [*ways[fault], "--timeout", 600], None
+            else:  # a hung node 1 is stopped once node 0 is done
+                args, wait_for = [*ways[fault], "--timeout", FAULT_TIMEOUT], [0] if fault == "hang" else [0, 1]
+            commands = single_node(2) if kind == "one torchrun" else two_nodes()
+            started[name] = start(commands, ckpt, tokenizer_path, out, *args, wait_for=wait_for, **pinned)
+        results.update({name: (launched, run) for name, run in zip(started, finish(*started.values()))})
+    return results
+
+
 @pytest.mark.parametrize("fault", ["raise", "missing"])
-def test_failing_rank_stops_torchrun(fault, checkpoint, broken_checkpoints, tokenizer_path, tmp_path):
-    """One torchrun, rank 1 raises after build (rank 0 is then in generate's all-reduce) or finds its shard
-    missing (a shape error while loading). With a collective timeout far longer than the test allows, only
-    torchrun's agent can end rank 0: it must, and exit non-zero, within 60 s of the launch."""
-    fail = ["--fail", "raise"] if fault == "raise" else ["--fail-ckpt-dir", broken_checkpoints[fault]]
-    started = time.time()
-    run = launch(single_node(2), checkpoint("gqa", 2), tokenizer_path, tmp_path / "out", *fail, "--timeout", 600)
+def test_failing_rank_stops_torchrun(fault, faults):
+    """Within 60 s of the launch, torchrun's agent ends rank 0 and exits non-zero, with rank 1's error."""
+    launched, run = faults[f"one torchrun: {fault}"]
     assert run.returncodes[0] != 0
-    assert run.ended[0] - started < 60, f"took {run.ended[0] - started:.0f} s"
+    assert run.ended[0] - launched < 60, f"took {run.ended[0] - launched:.0f} s"
     assert ("fails on purpose" if fault == "raise" else "has shape") in run.stderrs[0], run.stderrs[0][-3000:]
 
 
 @pytest.mark.parametrize("fault", ["hang", "raise", "truncated"])
-def test_survivor_gives_up_on_lost_node(fault, checkpoint, broken_checkpoints, tokenizer_path, tmp_path):
-    """Two single-process nodes; node 1 hangs or raises after build, or cannot read its shard (and so never
-    joins the process group). Nothing stops node 0 but its own collectives: it must fail within
-    FAULT_TIMEOUT + SLACK of losing node 1, with an error that says why."""
-    fail = ["--fail", fault] if fault in ("hang", "raise") else ["--fail-ckpt-dir", broken_checkpoints[fault]]
-    out_prefix = tmp_path / "out"
-    wait_for = [0] if fault == "hang" else [0, 1]  # a hung node 1 is stopped once node 0 is done
-    worker_args = [*fail, "--timeout", FAULT_TIMEOUT]
-    run = launch(two_nodes(), checkpoint("gqa", 2), tokenizer_path, out_prefix, *worker_args, wait_for=wait_for)
+def test_survivor_gives_up_on_lost_node(fault, faults):
+    """Node 0 fails within FAULT_TIMEOUT + SLACK of losing node 1, with an error that says why."""
+    _, run = faults[f"two nodes: {fault}"]
     assert run.returncodes[0] != 0, run.stderrs[0]
-    failed_at_file = Path(f"{out_prefix}.rank1.failed_at")
+    failed_at_file = Path(f"{run.out_prefix}.rank1.failed_at")
     lost_at = float(failed_at_file.read_text()) if failed_at_file.exists() else run.ended[1]
     assert run.ended[0] - lost_at < FAULT_TIMEOUT + SLACK, f"took {run.ended[0] - lost_at:.1f} s"
     if fault == "hang":  # only the all-reduce's timeout can have ended it
