@@ -1,11 +1,11 @@
 """One process of a model-parallel run, launched by tests/test_parallel.py under torchrun (or plain python).
 
     torchrun --nproc_per_node M tests/parallel_worker.py CKPT_DIR TOKENIZER OUT_PREFIX [--fail raise --fail-rank 1]
-        [--compile] [--quantize int8|int4]
+        [--compile] [--quantize int8|int4] [--greedy-only]
 
-Every rank builds the Llama, completes PROMPTS greedily and then (two of them) with sampling, and writes
-OUT_PREFIX.rank{R}.json: its token IDs and a sha256 per parameter of the weights it loaded. Rank 0 also
-prints the greedy generations. `--fail` makes one rank misbehave on purpose, to test that the others stop; it writes
+Every rank builds the Llama, completes PROMPTS greedily and then (unless --greedy-only) two of them with sampling
+and all of them in a next turn, and writes OUT_PREFIX.rank{R}.json: its token IDs and a sha256 per parameter of the
+weights it loaded. Rank 0 also prints the greedy generations. `--fail` makes one rank misbehave on purpose, to test that the others stop; it writes
 OUT_PREFIX.rank{R}.failed_at (a time.time()) first. Every rank writes OUT_PREFIX.rank{R}.pid.
 """
 
@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--fail-ckpt-dir", help="--fail-rank builds from this (broken) checkpoint instead")
     parser.add_argument("--compile", action="store_true", help="decode through the compiled decode step")
     parser.add_argument("--quantize", choices=["int8", "int4"], help="Llama.build's quantize")
+    parser.add_argument("--greedy-only", action="store_true", help="complete greedily only (no sampling, no next turn)")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", 0))
     failing = rank == args.fail_rank
@@ -69,14 +70,17 @@ def main() -> None:
 
     prompt_tokens = [generator.tokenizer.encode(p, bos=True, eos=False) for p in PROMPTS]  # as text_completion
     greedy, _ = generator.generate(prompt_tokens, args.max_gen_len, temperature=0)
-    # Fewer, shorter samples: on a CPU, sorting the 128256 probabilities each step costs more than the model.
-    sampled, _ = generator.generate(prompt_tokens[:2], args.max_gen_len // 2, temperature=0.6, top_p=0.9)
-    # A next turn (each prompt, its greedy answer and a few more tokens), from what the cache holds, then cold.
-    turn = [p + g + p[1:4] for p, g in zip(prompt_tokens, greedy)]
-    warm, _ = generator.generate(turn, 4, temperature=0)
-    reused = generator.decoder.last_reused
-    generator.model.cached.forget()
-    cold, _ = generator.generate(turn, 4, temperature=0)
+    sampled = next_turn = None
+    if not args.greedy_only:
+        # Fewer, shorter samples: on a CPU, sorting the 128256 probabilities each step costs more than the model.
+        sampled, _ = generator.generate(prompt_tokens[:2], args.max_gen_len // 2, temperature=0.6, top_p=0.9)
+        # A next turn (each prompt, its greedy answer and a few more tokens), from what the cache holds, then cold.
+        turn = [p + g + p[1:4] for p, g in zip(prompt_tokens, greedy)]
+        warm, _ = generator.generate(turn, 4, temperature=0)
+        reused = generator.decoder.last_reused
+        generator.model.cached.forget()
+        cold, _ = generator.generate(turn, 4, temperature=0)
+        next_turn = {"warm": warm, "cold": cold, "reused": reused}
     for prompt, tokens in zip(PROMPTS, greedy):
         if rank == 0:  # every rank has the same tokens; the library leaves printing to its caller
             print(f"{prompt!r} -> {generator.tokenizer.decode(tokens)!r}")
@@ -84,7 +88,6 @@ def main() -> None:
         key: hashlib.sha256(tensor.float().contiguous().numpy().tobytes()).hexdigest()
         for key, tensor in generator.model.state_dict().items()
     }
-    next_turn = {"warm": warm, "cold": cold, "reused": reused}
     result = {"rank": rank, "greedy": greedy, "sampled": sampled, "next_turn": next_turn, "weights": weights}
     if args.compile:  # how many graphs the compiled decode step became, and the reasons it was broken up
         from torch._dynamo.utils import counters  # imported only here: torch._dynamo takes seconds to import

@@ -316,7 +316,7 @@ def test_quantized_two_processes_match_one_process(scheme, n_shards, stored, che
         one_ckpt = two_ckpt = tmp_path / "quantized"
     # Side by side: the single process runs on one thread, so the three processes share the two cores. 8 tokens:
     # PyTorch's int4 kernel is slow with float32 activations (the 128256-row head takes most of the time).
-    worker_args = ["--quantize", scheme, "--max-gen-len", 8]
+    worker_args = ["--quantize", scheme, "--max-gen-len", 8, "--greedy-only"]
     one, two = finish(
         start(plain_python(), one_ckpt, tokenizer_path, tmp_path / "one", *worker_args),
         start(single_node(2), two_ckpt, tokenizer_path, tmp_path / "two", *worker_args),
