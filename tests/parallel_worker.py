@@ -5,8 +5,9 @@
 
 Every rank builds the Llama, completes PROMPTS greedily and then (unless --greedy-only) two of them with sampling
 and all of them in a next turn, and writes OUT_PREFIX.rank{R}.json: its token IDs and a sha256 per parameter of the
-weights it loaded. Rank 0 also prints the greedy generations. `--fail` makes one rank misbehave on purpose, to test that the others stop; it writes
-OUT_PREFIX.rank{R}.failed_at (a time.time()) first. Every rank writes OUT_PREFIX.rank{R}.pid.
+weights it loaded. Rank 0 also prints the greedy generations. `--fail` makes one rank misbehave on purpose, to test
+that the others stop; it writes OUT_PREFIX.rank{R}.failed_at (a time.time()) first. Every rank writes
+OUT_PREFIX.rank{R}.pid.
 """
 
 import argparse
