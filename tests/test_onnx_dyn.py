@@ -119,11 +119,14 @@ def test_onnx_runtime_computes_what_the_fallback_computes(process_group, scheme,
 
 @pytest.mark.parametrize("scheme", ["int8-dyn", "int4-dyn"])
 def test_the_weight_is_held_once_by_onnx_runtime(process_group, scheme):
-    """The session multiplies from its own packed copy, so the layer lets its values go: overwriting the values it
-    was made from changes nothing. A copy of the model shares the session, and saving one says what to do."""
+    """The session multiplies from its own packed copy, so once it is made the layer lets its values go: overwriting
+    the values it was made from changes nothing. A copy of the model shares the session, and saving one says what
+    to do."""
     import_or_skip("onnxruntime", ONNX)
     values = quantized(scheme, random_weight(64, 256))
     layer = DynLinear(fairscale_layer(ColumnParallelLinear, 256, 64, random_weight(64, 256)), *values)
+    assert layer.weight is values[0] and layer.session is None  # made at the first product, or by for_runtime
+    layer.make_session()
     assert onnx_dyn.packs_its_own_copy(layer.bits)
     assert layer.weight is None and layer.scales is None and layer.zero_points is None
     assert layer.values_bytes() == sum(t.numel() * t.element_size() for t in values if t is not None)
@@ -158,6 +161,7 @@ def test_where_the_session_reads_the_values_the_layer_keeps_them(process_group, 
     try:
         values = quantized(scheme, random_weight(64, 256))
         layer = DynLinear(fairscale_layer(ColumnParallelLinear, 256, 64, random_weight(64, 256)), *values)
+        layer.make_session()
         assert not onnx_dyn.packs_its_own_copy(layer.bits)
     finally:
         onnx_dyn.packs_its_own_copy.cache_clear()
@@ -208,6 +212,51 @@ def test_without_onnx_runtime_a_model_computes_the_same_logits(process_group, tm
     float_logits = float_model(tokens, 0)
     error = ((without - float_logits).norm() / float_logits.norm()).item()
     assert 0 < error < (0.05 if scheme == "int8-dyn" else 0.3)
+
+
+@pytest.mark.parametrize("scheme", ["int8-dyn", "int4-dyn"])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_a_fused_product_gives_each_layer_s_own_bits(process_group, scheme, rows):
+    """wq, wk and wv (or w1 and w3) run as one session give the bits each layer's own session gives, and a layer of
+    the group called alone still gives its own output."""
+    import_or_skip("onnxruntime", ONNX)
+    weights = [random_weight(n, 256, seed) for seed, n in enumerate([64, 32, 32])]
+    made = [(fairscale_layer(ColumnParallelLinear, 256, w.shape[0], w), quantized(scheme, w)) for w in weights]
+    alone = [DynLinear(layer, *(t.clone() if t is not None else None for t in values)) for layer, values in made]
+    grouped = [DynLinear(layer, *values) for layer, values in made]
+    fused = onnx_dyn.fused_dyn(*grouped)
+    assert isinstance(fused, onnx_dyn.FusedDyn) and all(layer.weight is None for layer in grouped)  # held once
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(5))
+    outputs = fused(x)
+    assert [y.shape for y in outputs] == [(rows, w.shape[0]) for w in weights]
+    for y, one, member in zip(outputs, alone, grouped):
+        assert torch.equal(y, one(x))
+        assert torch.equal(member(x), y)
+    assert onnx_dyn.fused_dyn(*alone) is None  # each runs on a session of its own already
+
+
+@pytest.mark.parametrize("scheme", ["int8-dyn", "int4-dyn"])
+def test_a_model_runs_its_blocks_on_four_sessions_with_the_same_logits(process_group, tmp_path, monkeypatch, scheme):
+    """wq, wk and wv as one product, w1 and w3 as another: the logits are the same bits as with every layer on a
+    session of its own."""
+    import_or_skip("onnxruntime", ONNX)
+    reader, args = tiny_reader(tmp_path)
+    tokens = torch.randint(0, args.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        model = for_runtime(load_model(reader, args, 0, 1, torch.device("cpu"), torch.float32, quantize=scheme))[0]
+        sessions = {id(m.session): m for m in model.modules() if getattr(m, "session", None) is not None}
+        return model(tokens, 0), model, len(sessions)
+
+    fused_logits, model, sessions = run()
+    block = model.layers[0]
+    assert isinstance(block.attention.qkv, onnx_dyn.FusedDyn) and isinstance(block.feed_forward.w13, onnx_dyn.FusedDyn)
+    assert sessions == 4 * args.n_layers + 1  # and the output head's
+    monkeypatch.setattr(onnx_dyn, "fused_dyn", lambda *layers: None)
+    monkeypatch.setattr("llama.runtime.steps.fused_dyn", lambda *layers: None)
+    alone_logits, _, sessions = run()
+    assert sessions == 7 * args.n_layers + 1
+    assert torch.equal(fused_logits, alone_logits)
 
 
 @pytest.mark.parametrize("scheme", ["int8-dyn", "int4-dyn"])

@@ -1,7 +1,8 @@
 """Attention as it runs here: the reference's `Attention` with the ways in that speed needs.
 
 `RuntimeAttention` holds the reference layer's projections, cache and head counts, and adds:
-- a fused product of wq, wk and wv where the CPU runs them as one (`qkv`, a `llama.runtime.cpu.FusedQKV`);
+- a fused product of wq, wk and wv where the CPU runs them as one (`qkv`: a `llama.runtime.cpu.FusedQKV`, or for
+  int8-dyn and int4-dyn weights a `llama.runtime.onnx_dyn.FusedDyn`);
 - the fixed-shape decode step's cache write: a position given as a tensor, attention over the whole cache with the
   positions not yet written masked out (`write_at_positions`), so that one compiled graph serves every step;
 - per-row positions and rows of the cache, for the engine's requests (`write_rows`);

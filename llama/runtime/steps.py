@@ -25,12 +25,12 @@ from llama.runtime.cpu import (
 )
 from llama.runtime.cuda_graphs import CUDAGraphDecodeStep
 from llama.runtime.onnx_dyn import GROUP_SIZE as DYN_GROUP_SIZE
-from llama.runtime.onnx_dyn import one_torch_thread, runs_on_onnx_runtime
+from llama.runtime.onnx_dyn import fused_dyn, make_sessions, one_torch_thread, runs_on_onnx_runtime
 from llama.runtime.parallel_layers import InferenceLayer, ParallelEmbedding, ParallelLinear, kernels_in_use
 from llama.runtime.quantized import is_quantized
 from llama.runtime.quantized_kernels import choose_quantized_kernels
 from llama.runtime.schemes import quantize_layer
-from llama.runtime.transformer import DecodeStep, RuntimeTransformer
+from llama.runtime.transformer import DecodeStep, FuseProducts, RuntimeTransformer
 
 LINEAR = (ColumnParallelLinear, RowParallelLinear)
 logger = logging.getLogger(__name__)
@@ -51,15 +51,16 @@ def for_runtime(
     1. `use_cpu_kernels`: on the CPU (`runs_on_cpu_kernels`), each fairscale linear layer becomes a `CPULinear`, whose
        kernel per row count is chosen in step 3.
     2. `RuntimeTransformer`: the runtime modules (`llama.runtime.transformer`): fused products where the CPU runs
-       them as one (`FusedQKV`, `FusedW13`), the fixed-shape decode step, per-row positions and cache rows for the
+       them as one (`fuse_products`), the fixed-shape decode step, per-row positions and cache rows for the
        engine, and a faster kernel for one new position's attention where the CPU has one.
     3. `choose_cpu_kernels`: each product's kernels measured (or read from the cache), and the float16 copies made;
        with `verify_rows`, also for the rows of a speculative pass, which a prompt's kernel would run at its speed.
     4. `use_parallel_layers`: every fairscale layer left (all of them off the CPU) becomes `ParallelLinear` or
        `ParallelEmbedding`: the collectives called directly and skipped in one process, traceable by torch.compile.
     5. `choose_quantized_kernels`: on a GPU, each quantized weight's fastest product at each row count, timed. Where
-       the products run on ONNX Runtime (int8-dyn, int4-dyn), PyTorch's own operations run on one thread
-       (`one_torch_thread`), leaving the cores to ONNX Runtime's.
+       the products run on ONNX Runtime (int8-dyn, int4-dyn), the sessions of the layers not fused in step 2 are made
+       (`make_sessions`), and PyTorch's own operations run on one thread (`one_torch_thread`), leaving the cores to
+       ONNX Runtime's.
     6. The decode step: compiled with torch.compile if asked (`compiled_decode_step`; `compile=None` asks where
        `compiles_by_default`), else on one CUDA GPU replayed as CUDA graphs where `cuda_graphs` (`use_cuda_graphs`,
        `CUDAGraphDecodeStep`).
@@ -70,12 +71,13 @@ def for_runtime(
     one_position = attention_kernel(model.norm.weight.dtype) if on_cpu_kernels else None
     if on_cpu_kernels:
         use_cpu_kernels(model)
-    runtime = RuntimeTransformer(model, fused_product if copies else None, one_position)
+    runtime = RuntimeTransformer(model, fuse_products(copies), one_position)
     if on_cpu_kernels:
         choose_cpu_kernels(runtime, copies, verify_rows)
     use_parallel_layers(runtime)
     choose_quantized_kernels(runtime)
     if runs_on_onnx_runtime(runtime):
+        make_sessions(runtime)
         runtime.threads = one_torch_thread
     runtime.kernels_in_use = kernels_in_use(runtime)  # what the load report says of the choices
     if compile is None and compiles_by_default(runtime, model_parallel_size):
@@ -115,6 +117,16 @@ def replace_layers(model: nn.Module, kind, replacement) -> int:
                 setattr(module, name, replacement(child))
                 replaced += 1
     return replaced
+
+
+def fuse_products(copies: bool) -> FuseProducts:
+    """Step 2's fused products: int8-dyn and int4-dyn layers as one ONNX Runtime session (`fused_dyn`); float layers
+    on the CPU's kernels as one copy, where `copies` (`fused_product`)."""
+
+    def fuse(name: str, *layers: nn.Module) -> Optional[nn.Module]:
+        return fused_dyn(*layers) or (fused_product(name, *layers) if copies else None)
+
+    return fuse
 
 
 def use_cpu_kernels(model: nn.Module) -> None:

@@ -26,7 +26,8 @@ FuseProducts = Callable[..., Optional[nn.Module]]
 
 
 class FusedFeedForward(nn.Module):
-    """`FeedForward` with w1 and w3 run as one product (`w13`, a `llama.runtime.cpu.FusedW13`)."""
+    """`FeedForward` with w1 and w3 run as one product (`w13`: a `llama.runtime.cpu.FusedW13`, or for int8-dyn and
+    int4-dyn weights a `llama.runtime.onnx_dyn.FusedDyn`)."""
 
     def __init__(self, feed_forward: FeedForward, w13: nn.Module):
         super().__init__()
