@@ -19,7 +19,7 @@ Q8_0 rounds them); the products of a block summed in integers, then scaled.
 
 import contextlib
 import functools
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
@@ -298,9 +298,7 @@ class FusedDyn(nn.Module):
     def __init__(self, *layers: DynLinear):
         super().__init__()
         self.layers = layers  # a tuple, not submodules: the layers keep their own keys
-        each_values = zip(*(layer.values() for layer in layers))  # the codes of each layer, then the scales, ...
-        stacked = [None if parts[0] is None else torch.cat(parts) for parts in each_values]
-        self.session = MatMulNBits(*stacked)
+        self.session = MatMulNBits(*stacked_values(layers))  # the stacked copies are freed as it returns
         self.sizes = [layer.out_features for layer in layers]
         start = 0
         for layer in layers:
@@ -314,6 +312,12 @@ class FusedDyn(nn.Module):
 
     def extra_repr(self) -> str:
         return "+".join(map(str, self.sizes)) + f"x{self.layers[0].in_features} {self.layers[0].scheme}"
+
+
+def stacked_values(layers: Tuple[DynLinear, ...]) -> List[Optional[torch.Tensor]]:
+    """The codes, scales and zero points of `layers`, each stacked in the layers' order (rows of outputs)."""
+    each_values = zip(*(layer.values() for layer in layers))  # the codes of each layer, then the scales, ...
+    return [None if parts[0] is None else torch.cat(parts) for parts in each_values]
 
 
 def fused_dyn(*layers: nn.Module) -> Optional[FusedDyn]:
