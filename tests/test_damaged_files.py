@@ -246,12 +246,12 @@ def test_a_key_written_twice_in_params_json_is_refused(tiny_checkpoint, tmp_path
 
 
 def test_params_json_that_cannot_be_read_is_named(tiny_checkpoint, tmp_path, monkeypatch):
-    import llama.files
+    import llama.tokenizer.files
 
     def denied(path):
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(llama.files, "read_text", denied)
+    monkeypatch.setattr(llama.tokenizer.files, "read_text", denied)
     with pytest.raises(ValueError, match=r"Cannot read .*params\.json: .*Permission denied"):
         open_checkpoint(tiny_checkpoint)
 

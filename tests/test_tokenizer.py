@@ -418,11 +418,11 @@ class ValidatedFileTest(unittest.TestCase):
     def test_a_file_that_cannot_be_read(self):
         from unittest import mock
 
-        import llama.files
+        import llama.tokenizer.files
 
         self.path.write_bytes(b"\n".join(byte_lines()) + b"\n")
         denied = PermissionError(13, "Permission denied")
-        with mock.patch.object(llama.files, "read_bytes", side_effect=denied):
+        with mock.patch.object(llama.tokenizer.files, "read_bytes", side_effect=denied):
             with self.assertRaisesRegex(ValueError, f"Cannot read the tokenizer model file {self.path}.*denied"):
                 Tokenizer(str(self.path))
 
@@ -542,21 +542,21 @@ class SplitTest(unittest.TestCase):
 
 
 class BlobfileTest(unittest.TestCase):
-    """tokenizer.model may be a local path or a blobfile URL (`llama.files`)."""
+    """tokenizer.model may be a local path or a blobfile URL (`llama.tokenizer.files`)."""
 
     @classmethod
     def setUpClass(cls):
         import blobfile
 
-        cls.blobfile = blobfile  # patching its functions patches what `llama.files` calls for a URL
+        cls.blobfile = blobfile  # patching its functions patches what `llama.tokenizer.files` calls for a URL
 
     def test_local_path_is_read_every_time(self):
         from unittest import mock
 
-        import llama.files
+        import llama.tokenizer.files
 
         path = find_tokenizer_path()
-        with mock.patch.object(llama.files, "read_bytes", wraps=llama.files.read_bytes) as read:
+        with mock.patch.object(llama.tokenizer.files, "read_bytes", wraps=llama.tokenizer.files.read_bytes) as read:
             tokenizer = Tokenizer(path)
             self.assertEqual(read.call_args_list, [mock.call(path)])
             Tokenizer(path)

@@ -13,7 +13,6 @@ import torch
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llama import files
 from llama.arguments import short_repr
 from llama.checkpoint.gguf_file import GGUFCheckpoint
 from llama.checkpoint.hf import HuggingFaceCheckpoint
@@ -42,7 +41,7 @@ from llama.model import ModelArgs, Transformer
 from llama.quantize import check_device, check_scheme, layer_scheme, whole_shape
 from llama.runtime.cuda_graphs import decode_step_bytes
 from llama.runtime.schemes import quantize_layer
-from llama.tokenizer import Tokenizer
+from llama.tokenizer import Tokenizer, files
 from llama.tokenizer.gguf_vocab import is_gguf_file
 
 logger = logging.getLogger(__name__)

@@ -9,10 +9,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
 
-from llama import files
 from llama.arguments import short_repr
 from llama.model import ModelArgs
 from llama.quantize import INT4_GROUP_SIZES, SCHEMES
+from llama.tokenizer import files
 
 HF_CONFIG = "config.json"
 META_PARAMS = "params.json"
@@ -99,7 +99,7 @@ MAX_JSON_DEPTH = 32  # configuration files nest a few levels; json.loads recurse
 
 
 def read_json(path: Union[str, Path]) -> dict:
-    """A JSON object from a file (`llama.files`): a local path or a blobfile URL (gs://, az://).
+    """A JSON object from a file (`llama.tokenizer.files`): a local path or a blobfile URL (gs://, az://).
 
     Raises:
         FileNotFoundError: when nothing exists at `path`.

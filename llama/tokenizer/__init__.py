@@ -1,6 +1,7 @@
 """Text to token IDs and back, one concern a module: `bpe` (the `Tokenizer`: tokenizer.model's ranks run by
 tiktoken, the special tokens), `messages` (the shapes of messages and tool calls), `chat_format` (`ChatFormat`:
-dialogs written as tokens, answers read back) and `tool_calls` (tool calls as text, written and parsed)."""
+dialogs written as tokens, answers read back), `tool_calls` (tool calls as text, written and parsed) and `files`
+(reading a local path or a blobfile URL)."""
 
 from llama.tokenizer.bpe import SUPPORTED_VERSIONS, Tokenizer, load_bpe_ranks
 from llama.tokenizer.chat_format import ChatFormat, stop_reason

@@ -13,8 +13,8 @@ from typing import Literal, Optional
 
 import tiktoken
 
-from llama import files
 from llama.arguments import short_repr, token_id_list
+from llama.tokenizer import files
 from llama.tokenizer.gguf_vocab import is_gguf_file, read_gguf_ranks
 
 logger = getLogger(__name__)
@@ -74,7 +74,7 @@ def load_bpe_ranks(path: str) -> dict[bytes, int]:
     in place would be ignored. Checked here, because tiktoken trusts the file: a rank used twice makes its Rust core
     panic (a BaseException), a rank gap or a token listed twice gives an ordinary token the ID of a special one.
 
-    The bytes come through `llama.files`, so `path` may be local or a blobfile URL (`gs://...`, `az://...`).
+    The bytes come through `llama.tokenizer.files`, so `path` may be local or a blobfile URL (`gs://...`, `az://...`).
 
     Raises:
         FileNotFoundError: If nothing exists at `path`.

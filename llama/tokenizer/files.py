@@ -1,5 +1,5 @@
 """Reading a file that may be local or at a blobfile URL (`gs://...`, `az://...`), as Meta's reference code reads
-tokenizer.model and params.json through `blobfile`.
+tokenizer.model through `blobfile` (and the checkpoint's params.json, read here the same way).
 
 Local paths are read with Python's own functions; `blobfile` is imported only for a URL. Importing it (and urllib3
 with it) takes about a quarter of a second, which every command would otherwise pay at start.
