@@ -19,6 +19,7 @@ Q8_0 rounds them); the products of a block summed in integers, then scaled.
 
 import contextlib
 import functools
+import itertools
 from typing import List, Optional, Tuple
 
 import fairscale.nn.model_parallel.initialize as fs_init
@@ -300,9 +301,8 @@ class FusedDyn(nn.Module):
         self.layers = layers  # a tuple, not submodules: the layers keep their own keys
         self.session = MatMulNBits(*stacked_values(layers))  # the stacked copies are freed as it returns
         self.sizes = [layer.out_features for layer in layers]
-        start = 0
-        for layer in layers:
-            layer.part_of, start = (self.session, start, start + layer.out_features), start + layer.out_features
+        for layer, stop in zip(layers, itertools.accumulate(self.sizes)):
+            layer.part_of = (self.session, stop - layer.out_features, stop)
             layer.let_values_go()
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
