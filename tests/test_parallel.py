@@ -372,8 +372,9 @@ def broken_checkpoints(checkpoint, tmp_path_factory) -> Dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def faults(checkpoint, broken_checkpoints, tokenizer_path, tmp_path_factory) -> Dict[str, Tuple[float, Run]]:
-    """Each fault's run, by name: its launch time and what it did. The runs go side by side, since most of their
-    time is spent waiting for a timeout.
+    """Each fault's run, by name: its launch time and what it did. The runs go side by side in two groups: much of
+    their time is spent waiting for a timeout, and starting up (most of the rest) must not crowd a launch past the
+    60 s it is allowed.
     - "one torchrun: raise" and "one torchrun: missing": one torchrun of two processes, where rank 1 raises after
       build (rank 0 is then in generate's all-reduce) or finds its shard missing (a shape error while loading),
       with a collective timeout far longer than the test allows: only torchrun's agent can end rank 0.
@@ -385,20 +386,27 @@ def faults(checkpoint, broken_checkpoints, tokenizer_path, tmp_path_factory) -> 
     pinned = {"LLAMA_CPU_KERNEL": "linear"}  # a fault does not depend on the kernels: none are measured
     ways = {"raise": ["--fail", "raise"], "hang": ["--fail", "hang"]}
     ways.update({kind: ["--fail-ckpt-dir", path] for kind, path in broken_checkpoints.items()})
+    # Per run: what launches it (two_nodes picks its port as it is called), the worker's arguments, `wait_for`.
+    one_torchrun = {
+        f"one torchrun: {fault}": (lambda: single_node(2), [*ways[fault], "--timeout", 600], None)
+        for fault in ("raise", "missing")
+    }
+    nodes = {
+        f"two nodes: {fault}": (
+            two_nodes,
+            [*ways[fault], "--timeout", FAULT_TIMEOUT],
+            [0] if fault == "hang" else [0, 1],
+        )
+        for fault in ("hang", "raise", "truncated")
+    }
     results = {}
-    # In two groups, so that starting up (most of the work) never crowds a launch past the 60 s it is allowed.
-    for kind, fault_names in (("one torchrun", ["raise", "missing"]), ("two nodes", ["hang", "raise", "truncated"])):
-        launched, started = time.time(), {}
-        for fault in fault_names:
-            name = f"{kind}: {fault}"
+    for group in (one_torchrun, nodes):
+        launched = time.time()
+        started = []
+        for name, (commands, args, wait_for) in group.items():
             out = folder / name.replace(": ", "-").replace(" ", "_")
-            if kind == "one torchrun":
-                args, wait_for = [*ways[fault], "--timeout", 600], None
-            else:  # a hung node 1 is stopped once node 0 is done
-                args, wait_for = [*ways[fault], "--timeout", FAULT_TIMEOUT], [0] if fault == "hang" else [0, 1]
-            commands = single_node(2) if kind == "one torchrun" else two_nodes()
-            started[name] = start(commands, ckpt, tokenizer_path, out, *args, wait_for=wait_for, **pinned)
-        results.update({name: (launched, run) for name, run in zip(started, finish(*started.values()))})
+            started.append(start(commands(), ckpt, tokenizer_path, out, *args, wait_for=wait_for, **pinned))
+        results.update({name: (launched, run) for name, run in zip(group, finish(*started))})
     return results
 
 
