@@ -142,6 +142,20 @@ def test_the_weight_is_held_once_by_onnx_runtime(process_group, scheme):
         torch.save(layer, io.BytesIO())
 
 
+@pytest.mark.parametrize("scheme", ["int8-dyn", "int4-dyn"])
+def test_the_load_lets_the_output_head_s_values_go_as_it_quantizes_it(process_group, tmp_path, scheme):
+    """The head is the largest weight, and no fused product takes it: its session is made as it loads, so the load
+    never holds its values beside every other session (the peak memory of docs/quantize.md). The blocks' layers
+    keep theirs until `for_runtime` stacks them."""
+    import_or_skip("onnxruntime", ONNX)
+    reader, args = tiny_reader(tmp_path)
+    model = load_model(reader, args, 0, 1, torch.device("cpu"), torch.float32, quantize=scheme)
+    assert model.output.session is not None and model.output.weight is None
+    assert model.layers[0].feed_forward.w1.session is None and model.layers[0].feed_forward.w1.weight is not None
+    for_runtime(model)
+    assert model.layers[0].feed_forward.w1.weight is None
+
+
 class ReadsTheValues:
     """Stands in for a session that reads the values it was given at every call, as ONNX Runtime does where MLAS
     has no kernel for 8-bit activations at the weight's bits."""

@@ -251,9 +251,9 @@ class DynLinear(QuantizedLinear):
         return self.weight, self.scales, self.zero_points
 
     def make_session(self) -> None:
-        """Its own ONNX Runtime session, where none serves it yet; then its values go where the session packed a
-        copy of them."""
-        if self.session is None and self.part_of is None:
+        """Its own ONNX Runtime session, where ONNX Runtime is installed and none serves it yet; then its values go
+        where the session packed a copy of them."""
+        if onnxruntime_available() and self.session is None and self.part_of is None:
             self.session = MatMulNBits(*self.values())
             self.let_values_go()
 
@@ -334,10 +334,9 @@ def fused_dyn(*layers: nn.Module) -> Optional[FusedDyn]:
 def make_sessions(model: nn.Module) -> None:
     """Every `DynLinear` of `model` outside a fused product gets its session now, rather than at its first product
     (where the first prompt would wait for it); where ONNX Runtime is installed."""
-    if onnxruntime_available():
-        for layer in model.modules():
-            if isinstance(layer, DynLinear):
-                layer.make_session()
+    for layer in model.modules():
+        if isinstance(layer, DynLinear):
+            layer.make_session()
 
 
 def int8_dyn_layer(layer: nn.Module) -> Optional[DynLinear]:

@@ -11,7 +11,7 @@ from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallel
 from torch import nn
 
 from llama.model import Transformer
-from llama.quantize import LOAD_SCHEMES, check_device, check_group_size, check_scheme, layer_scheme
+from llama.quantize import LOAD_SCHEMES, check_device, check_group_size, check_scheme
 from llama.runtime.compiled import AnnouncedCompiles
 from llama.runtime.cpu import (
     CPULinear,
@@ -29,7 +29,7 @@ from llama.runtime.onnx_dyn import fused_dyn, make_sessions, one_torch_thread, r
 from llama.runtime.parallel_layers import InferenceLayer, ParallelEmbedding, ParallelLinear, kernels_in_use
 from llama.runtime.quantized import is_quantized
 from llama.runtime.quantized_kernels import choose_quantized_kernels
-from llama.runtime.schemes import quantize_layer
+from llama.runtime.schemes import quantize_layer, quantize_named_layer
 from llama.runtime.transformer import DecodeStep, FuseProducts, RuntimeTransformer
 
 LINEAR = (ColumnParallelLinear, RowParallelLinear)
@@ -187,7 +187,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
     weight = model.norm.weight  # in the model's dtype, on its device (the embedding may be int4)
     check_device(weight.device, scheme, weight.dtype)
     if not is_quantized(model.output):
-        model.output = quantize_layer(model.output, layer_scheme("output", scheme), group_size)
+        model.output = quantize_named_layer("output", model.output, scheme, group_size)
     replace_layers(
         model,
         (*LINEAR, ParallelLinear),
