@@ -150,16 +150,38 @@ def test_serve_convert_and_demo_are_their_own_command_lines():
     "args, message",
     [
         (["no/such/folder", "Hi"], "error: Checkpoint directory no/such/folder does not exist\n"),
-        (
-            ["x", "Hi", "--temperature", "-1"],
-            "error: --temperature must be a finite number >= 0 (0 means greedy), got -1.0\n",
-        ),
         (["x", "Hi", "--top_p", "2"], "error: --top_p must be a number in (0, 1], got 2.0\n"),
     ],
 )
 def test_a_mistake_is_one_line_naming_the_flag(args, message):
     result = llama_command("complete", *args)
     assert (result.returncode, result.stdout, result.stderr) == (2, "", message)
+
+
+@pytest.mark.parametrize(
+    "command, flag, value, message",
+    [
+        (
+            "complete",
+            "--temperature",
+            "-1",
+            "error: --temperature must be a finite number >= 0 (0 means greedy), got -1.0\n",
+        ),
+        ("complete", "--top_p", "0", "error: --top_p must be a number in (0, 1], got 0.0\n"),
+        ("complete", "--max_gen_len", "-1", "error: --max_gen_len must be a non-negative integer or None, got -1\n"),
+        ("chat", "--top_p", "1.5", "error: --top_p must be a number in (0, 1], got 1.5\n"),
+    ],
+)
+def test_a_sampling_flag_s_mistake_is_reported_before_torch_loads(tiny_checkpoint, command, flag, value, message):
+    """Seconds sooner: the flags given are checked before the checkpoint's defaults are read (which imports torch).
+    The console script's `main`, then whether torch was imported on stdout."""
+    code = "\n".join(
+        ["import sys", "from llama.cli.main import main", "try:", "    main(sys.argv[1:])", "finally:"]
+        + ["    print('torch' in sys.modules)"]
+    )
+    argv = [command, tiny_checkpoint, *(["Hi"] if command == "complete" else []), flag, value]
+    result = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, env=env())
+    assert (result.returncode, result.stdout, result.stderr) == (2, "False\n", message)
 
 
 def test_a_bad_choice_or_a_mistyped_flag_is_refused_with_usage():

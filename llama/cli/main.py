@@ -20,7 +20,7 @@ import sys
 from typing import List, Optional
 
 from llama import __version__
-from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P, check_sampling
 from llama.cli.common import (
     add_compile_flags,
     add_draft_flags,
@@ -183,11 +183,15 @@ def run_delegated(command: str, argv: List[str]) -> None:
 
 def load(args: argparse.Namespace, prompts: Optional[List[str]] = None):
     """Check what can be checked without the weights, then build the Llama and say what was loaded (stderr)."""
-    from llama.arguments import check_sampling
+    flags = vars(args)
+    # The sampling flags given are checked first: reading the checkpoint imports torch, seconds before a mistake
+    # could be reported.
+    given = {name: flags[name] for name in args.sampling_defaults if flags[name] is not None}
+    check_sampling(**{**args.sampling_defaults, **given})
     from llama.checkpoint import generation_defaults
 
     # A flag left out takes the checkpoint's own default (its generation_config.json), else the command's.
-    shipped, flags = generation_defaults(args.ckpt_dir), vars(args)
+    shipped = generation_defaults(args.ckpt_dir)
     for name, default in args.sampling_defaults.items():
         if flags[name] is None:
             flags[name] = shipped.get(name, default)
@@ -198,16 +202,14 @@ def load(args: argparse.Namespace, prompts: Optional[List[str]] = None):
 
 
 def chat(args: argparse.Namespace) -> None:
+    generator = load(args)
     from llama.cli.chat import run_chat
 
-    generator = load(args)
     out = rank0_stream(sys.stdout)  # every process computes the same answers; the first one shows them
     run_chat(generator, args.system_prompt, args.temperature, args.top_p, args.max_gen_len, out=out)
 
 
 def complete(args: argparse.Namespace) -> None:
-    from llama.decoding.speed import Stopwatch
-
     prompt = None if args.prompt == "-" else args.prompt  # "-": stdin, as for many commands
     if prompt is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError("Under torchrun every process needs the prompt: give it as an argument, not on stdin")
@@ -218,6 +220,8 @@ def complete(args: argparse.Namespace) -> None:
     if not prompt:
         raise ValueError("The prompt is empty; give it as an argument or on stdin")
     generator = load(args, [prompt])
+    from llama.decoding.speed import Stopwatch
+
     out = rank0_stream(sys.stdout)  # every process computes the same text; the first one shows it
     stopwatch = Stopwatch(generator.decoder)
     n_tokens = 0
