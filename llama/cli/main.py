@@ -203,7 +203,7 @@ def load(args: argparse.Namespace, prompts: Optional[List[str]] = None):
 
 def chat(args: argparse.Namespace) -> None:
     generator = load(args)
-    from llama.cli.chat import run_chat
+    from llama.cli.chat import run_chat  # imported after the flags are checked, as it imports torch
 
     out = rank0_stream(sys.stdout)  # every process computes the same answers; the first one shows them
     run_chat(generator, args.system_prompt, args.temperature, args.top_p, args.max_gen_len, out=out)
@@ -220,7 +220,7 @@ def complete(args: argparse.Namespace) -> None:
     if not prompt:
         raise ValueError("The prompt is empty; give it as an argument or on stdin")
     generator = load(args, [prompt])
-    from llama.decoding.speed import Stopwatch
+    from llama.decoding.speed import Stopwatch  # imported after the flags are checked, as it imports torch
 
     out = rank0_stream(sys.stdout)  # every process computes the same text; the first one shows it
     stopwatch = Stopwatch(generator.decoder)
