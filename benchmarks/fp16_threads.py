@@ -19,7 +19,6 @@ It also checks that the halves give the whole product's bits: each output column
 import argparse
 import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,28 +26,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import SHAPES  # noqa: E402
+from quant_kernels import fused_step_weights  # noqa: E402
 
-from llama.model import ModelArgs  # noqa: E402
 from llama.runtime.cpu import fbgemm_fp16_supported  # noqa: E402
 from llama.runtime.cpu.kernels import fp16_products, pack_as_fp16  # noqa: E402
+from llama.runtime.timing import timed  # noqa: E402
 
 
-def step_shapes(shape: str) -> list:
-    """(out_features, in_features) of each product of a decode step, fused as the library fuses them."""
-    args = ModelArgs(**{k: v for k, v in SHAPES[shape].items() if k != "tied"})
-    q_out, kv_out, hidden = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
-    layer = [(q_out + 2 * kv_out, args.dim), (args.dim, q_out), (2 * hidden, args.dim), (args.dim, hidden)]
-    return layer * args.n_layers + [(args.vocab_size, args.dim)]
-
-
-def timed(step, steps: int) -> str:
+def timings(step, steps: int) -> str:
+    """The median and range of `steps` timed calls of `step`, after one untimed call, in ms."""
     step()
-    seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - start)
-    ms = [s * 1000 for s in seconds]
+    ms = [timed(step) * 1000 for _ in range(steps)]
     return f"{statistics.median(ms):.1f} ms ({min(ms):.1f}-{max(ms):.1f})"
 
 
@@ -63,7 +51,7 @@ def main() -> None:
     pool = ThreadPoolExecutor(2)
     for shape in args.shapes:
         generator = torch.Generator().manual_seed(0)
-        sizes = step_shapes(shape)
+        sizes = fused_step_weights(shape)
         whole, halves = [], []
         for size in sizes:
             weight = torch.randn(size, generator=generator).mul_(0.02).bfloat16()
@@ -109,7 +97,7 @@ def main() -> None:
             ("halves, per step", per_step, 1),
         ]:
             torch.set_num_threads(step_threads)
-            print(f"  {name} ({step_threads} PyTorch threads): {timed(step, args.steps)}", flush=True)
+            print(f"  {name} ({step_threads} PyTorch threads): {timings(step, args.steps)}", flush=True)
         torch.set_num_threads(threads)
 
 

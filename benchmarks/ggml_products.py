@@ -19,15 +19,18 @@ import ctypes
 import importlib.util
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from llama.runtime.onnx_dyn import MatMulNBits, quantize_int4_dyn, quantize_int8_dyn
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_kernels import fused_step_weights  # noqa: E402
+
+from llama.runtime.onnx_dyn import MatMulNBits, quantize_int4_dyn, quantize_int8_dyn  # noqa: E402
 
 F32, Q4_1, Q8_0 = 0, 3, 8  # ggml_type values
-DIM, HIDDEN, KV, VOCAB, LAYERS = 2048, 8192, 512, 128256, 16  # Llama 3.2 1B
 
 
 class InitParams(ctypes.Structure):
@@ -139,12 +142,6 @@ class GgmlProduct:
         return self.y
 
 
-def step_shapes():
-    """(out, in, bits) of each product of a decode step, in order, fused as the library runs them."""
-    block = [(DIM + 2 * KV, DIM), (DIM, DIM), (2 * HIDDEN, DIM), (DIM, HIDDEN)]
-    return [shape for _ in range(LAYERS) for shape in block] + [(VOCAB, DIM)]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=12)
@@ -155,15 +152,16 @@ def main() -> None:
     pool = ggml[1].ggml_threadpool_new(ctypes.byref(params))
     steps = {name: [] for name in ("int8-dyn", "int4-dyn", "ggml Q8_0", "ggml Q4_1")}
     generator = torch.Generator().manual_seed(0)
-    for rows, cols in step_shapes():
+    shapes = fused_step_weights("1b")
+    for index, (rows, cols) in enumerate(shapes):
         weight = torch.randn(rows, cols, generator=generator) * 0.02
-        head = rows == VOCAB  # in 8 bits in every form, as int4-dyn keeps it
+        head = index == len(shapes) - 1  # in 8 bits in every form, as int4-dyn keeps it
         steps["int8-dyn"].append(MatMulNBits(*quantize_int8_dyn(weight), None))
         steps["int4-dyn"].append(steps["int8-dyn"][-1] if head else MatMulNBits(*quantize_int4_dyn(weight)))
         steps["ggml Q8_0"].append(GgmlProduct(ggml, pool, threads, weight, Q8_0))
         steps["ggml Q4_1"].append(steps["ggml Q8_0"][-1] if head else GgmlProduct(ggml, pool, threads, weight, Q4_1))
-    inputs = {cols: torch.randn(1, cols, generator=generator) for cols in (DIM, HIDDEN)}
-    widths = [cols for _, cols in step_shapes()]
+    widths = [cols for _, cols in shapes]
+    inputs = {cols: torch.randn(1, cols, generator=generator) for cols in set(widths)}
     seconds = {name: [] for name in steps}
     torch.set_num_threads(1)  # PyTorch's own threads out of the way, as the library runs ONNX Runtime's
     for _ in range(args.rounds):

@@ -42,6 +42,15 @@ def step_weights(shape: str) -> list:
     return layer * args.n_layers + [(args.vocab_size, args.dim)]
 
 
+def fused_step_weights(shape: str) -> list:
+    """`step_weights` with wq, wk and wv stacked as one product, and w1 and w3 as another, as the library fuses them."""
+    weights = step_weights(shape)
+    per_layer, head = weights[:7], weights[-1]
+    (q, width), (kv, _), _, wo, (hidden, _), _, w2 = per_layer
+    layer = [(q + 2 * kv, width), wo, (2 * hidden, width), w2]
+    return layer * ((len(weights) - 1) // 7) + [head]
+
+
 def make_layer(form: str, weight: torch.Tensor):
     out_features, in_features = weight.shape
     layer = ColumnParallelLinear(in_features, out_features, bias=False, gather_output=False, init_method=id)
