@@ -17,6 +17,7 @@ from helpers import GQA_PARAMS
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, random_weights, write_meta_checkpoint
 from llama.quantize import dequantize, quantize_int4, unpack_nibbles
 from llama.runtime import for_runtime, quantize_model
+from llama.runtime.cpu import onednn_bf16_supported
 from llama.runtime.quantized import (
     Int4Linear,
     Int8Linear,
@@ -26,7 +27,7 @@ from llama.runtime.quantized import (
     quantize_layer,
     unpack_cpu_int4,
 )
-from llama.runtime.quantized_kernels import TIMED_ROWS, fastest
+from llama.runtime.quantized_kernels import CPU_INT4_PRODUCTS, TIMED_ROWS, fastest
 
 
 def int8_layer(rows: int = 96, cols: int = 128) -> Int8Linear:
@@ -135,13 +136,18 @@ def test_the_cpu_widens_int4_prompts_in_blocks_to_the_same_product(process_group
     several blocks (`chunk_rows`) is the dequantized weight's, as PyTorch's int4 kernel's is."""
     layer, (nibbles, scales, zeros) = int4_layer(rows=4160, cols=1024)  # blocks of 2048 rows, 2048, then 64
     block_rows = cpu_int4_block_rows()
-    assert block_rows is not None and set(layer.products(64)) == {"tinygemm", "widened32"}
+    # "widened" (in the activations' dtype) only where oneDNN multiplies bfloat16
+    assert block_rows is not None and set(layer.products(64)) - {"widened"} == {"tinygemm", "widened32"}
+    assert ("widened" in layer.products(64)) == onednn_bf16_supported()
     assert torch.equal(unpack_cpu_int4(layer.weight, block_rows), unpack_nibbles(nibbles))
     x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(9))
-    expected = x @ dequantize(nibbles, scales, zeros).t()
-    torch.testing.assert_close(layer.widened32_product(x), expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(layer.int4_product(x), expected, atol=1e-4, rtol=1e-4)
+    weight = dequantize(nibbles, scales, zeros)
+    expected = x @ weight.t()
+    for product in (layer.widened32_product, layer.widened_product, layer.int4_product):  # float32 activations
+        torch.testing.assert_close(product(x), expected, atol=1e-4, rtol=1e-4)
     assert layer.widened32_product(x.bfloat16()).dtype == torch.bfloat16
+    # In bfloat16, "widened" multiplies the dequantized weight rounded once to bfloat16.
+    torch.testing.assert_close(layer.widened_product(x.bfloat16()), F.linear(x.bfloat16(), weight.bfloat16()))
 
 
 def test_the_cpu_chooses_an_int4_product_per_row_count_by_timing_them(process_group, tmp_path, monkeypatch):
@@ -152,9 +158,10 @@ def test_the_cpu_chooses_an_int4_product_per_row_count_by_timing_them(process_gr
         return x
 
     layer, _ = int4_layer(rows=128, cols=256)
-    for faster in ("tinygemm", "widened32"):
+    names = set(layer.products(64))  # "widened" only where oneDNN multiplies bfloat16
+    for faster in names:
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / faster))  # a machine that has measured nothing
-        products = {name: (lambda x, **values: x) if name == faster else slow for name in ("tinygemm", "widened32")}
+        products = {name: (lambda x, **values: x) if name == faster else slow for name in CPU_INT4_PRODUCTS}
         monkeypatch.setattr(quantized_kernels, "CPU_INT4_PRODUCTS", products)
         quantized_kernels.choose_quantized_kernels(layer)
         assert layer.kernels == {rows: faster for rows in quantized_kernels.CPU_TIMED_ROWS}

@@ -25,6 +25,7 @@ from llama.quantize import (
     unpack_nibbles,
     whole_shape,
 )
+from llama.runtime.cpu.kernels import onednn_bf16_supported
 from llama.runtime.parallel_layers import MeasuredLinear, ParallelLinear, vocab_parallel_lookup
 
 # The names of the ways a quantized layer computes its product (`QuantizedLinear.products`), across schemes and
@@ -150,24 +151,35 @@ def unpack_cpu_int4(packed: torch.Tensor, block_rows: int) -> torch.Tensor:
 
 
 def widened_int4_in_blocks(
-    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, dtype=None
 ) -> torch.Tensor:
-    """On the CPU: the int4 weight in the kernel's layout dequantized to float32 a block of output rows at a time
-    into one buffer reused for every block, as `widened_in_blocks` does for int8, and each block's product by MKL's
-    float32 `F.linear`: on a prompt's rows, faster than the one-row int4 kernel (docs/quantize.md)."""
-    block_rows = cpu_int4_block_rows()
-    rows = x.reshape(-1, x.shape[-1]).float()
+    """On the CPU: the int4 weight in the kernel's layout dequantized in float32 (as `dequantize` computes it) a block
+    of output rows at a time into one buffer reused for every block, rounded to `dtype` (`x`'s if None), and each
+    block's product by the CPU's matrix kernels: on a prompt's rows, faster than the one-row int4 kernel. In float32
+    that is MKL's product (fast on AVX2); in bfloat16, oneDNN's (fast where the CPU multiplies bfloat16: AVX-512 with
+    bfloat16, AMX). The buffer holds the weight transposed, inputs by outputs, as the kernel's layout orders its
+    values: unpacked without a transpose, and multiplied as it lies (docs/quantize.md)."""
+    dtype = dtype or x.dtype
+    block_rows, half = cpu_int4_block_rows(), cpu_int4_block_rows() // 2
+    rows = x.reshape(-1, x.shape[-1]).to(dtype)
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
     step = max(block_rows, chunk_rows(in_features) // block_rows * block_rows)
-    buffer = torch.empty(min(step, out_features), in_features)
-    outputs = []
+    buffer = torch.empty(in_features, min(step, out_features))
+    rounded = buffer if dtype == torch.float32 else torch.empty_like(buffer, dtype=dtype)
+    y = torch.empty(len(rows), out_features, dtype=dtype)
     for start in range(0, out_features, step):
-        levels = unpack_cpu_int4(packed[start : start + step], block_rows)
-        scale, zero = scales_and_zeros[:, start : start + step].float().permute(2, 1, 0)[..., None]
-        weight = buffer[: len(levels)].view(len(levels), -1, group_size)
-        weight.copy_(levels.view_as(weight)).sub_(8).mul_(scale).add_(zero)
-        outputs.append(F.linear(rows, buffer[: len(levels)]))
-    return torch.cat(outputs, dim=-1).to(x.dtype).view(*x.shape[:-1], out_features)
+        # Each block of the layout holds, input by input, its first half of rows in low nibbles, the rest in high ones.
+        blocks = packed[start : start + step].view(-1, in_features, half).transpose(0, 1)  # inputs, blocks, half
+        width = blocks.shape[1] * block_rows
+        levels = buffer[:, :width].view(in_features, -1, block_rows)
+        levels[..., :half].copy_(blocks & 0xF)
+        levels[..., half:].copy_(blocks >> 4)
+        # (groups, 1, outputs) each: contiguous, as a strided one would slow the products below down
+        scale, zero = (scales_and_zeros[:, start : start + width, i].float()[:, None] for i in (0, 1))
+        buffer[:, :width].view(-1, group_size, width).sub_(8).mul_(scale).add_(zero)
+        weight = buffer[:, :width] if rounded is buffer else rounded[:, :width].copy_(buffer[:, :width])
+        torch.matmul(rows, weight, out=y[:, start : start + width])
+    return y.to(x.dtype).view(*x.shape[:-1], out_features)
 
 
 class Int8Linear(QuantizedLinear):
@@ -217,11 +229,13 @@ class Int4Linear(QuantizedLinear):
     """A fairscale linear layer with an int4 weight, held in the layout of PyTorch's int4 kernel for its device
     (`weight`, `scales_and_zeros`): a runtime form, not a file format (docs/quantize.md).
 
-    Products off the CPU: "tinygemm", PyTorch's int4 kernel (the default), made for a few rows; "dequantized", the
-    weight widened to the activations' dtype by one compiled kernel, then `F.linear`: for a prompt's rows, a
-    product at the GPU's speed is worth one pass over the weight. It reads the values as quantized (`nibbles`,
-    `group_scales`, `group_zeros`), which a GPU layer holds until the runtime's measurement finds whether any row
-    count needs them (`drop_unused_copies`)."""
+    Products: "tinygemm", PyTorch's int4 kernel (the default), made for a few rows. On the CPU, for a prompt's rows,
+    "widened" and "widened32": the weight dequantized a block at a time to the activations' dtype (where oneDNN
+    multiplies bfloat16) or to float32, then the CPU's matrix kernels. Off the CPU, "dequantized": the weight widened
+    to the activations' dtype by one compiled kernel, then `F.linear`: for a prompt's rows, a product at the GPU's
+    speed is worth one pass over the weight. It reads the values as quantized (`nibbles`, `group_scales`,
+    `group_zeros`), which a GPU layer holds until the runtime's measurement finds whether any row count needs them
+    (`drop_unused_copies`)."""
 
     CPU_DEFAULT = GPU_DEFAULT = "tinygemm"
 
@@ -257,6 +271,10 @@ class Int4Linear(QuantizedLinear):
         block_rows = cpu_int4_block_rows() if self.weight.device.type == "cpu" else None
         if block_rows and self.out_features % block_rows == 0:
             products["widened32"] = self.widened32_product
+            # Only where oneDNN multiplies bfloat16: on AVX2 PyTorch's own bfloat16 product of the buffer as it lies
+            # (transposed) takes seconds, 100 times float32's.
+            if onednn_bf16_supported():
+                products["widened"] = self.widened_product
         return products
 
     def activation_dtype(self) -> torch.dtype:
@@ -269,8 +287,11 @@ class Int4Linear(QuantizedLinear):
         y = torch.ops.aten._weight_int4pack_mm(rows, self.weight, self.group_size, scales_and_zeros)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def widened32_product(self, x: torch.Tensor) -> torch.Tensor:
+    def widened_product(self, x: torch.Tensor) -> torch.Tensor:
         return widened_int4_in_blocks(x, self.weight, self.scales_and_zeros, self.group_size)
+
+    def widened32_product(self, x: torch.Tensor) -> torch.Tensor:
+        return widened_int4_in_blocks(x, self.weight, self.scales_and_zeros, self.group_size, torch.float32)
 
     def dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
         weight = compiled_on_cuda(dequantized_int4_weight, self.nibbles, self.group_scales, self.group_zeros)

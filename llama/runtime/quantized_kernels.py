@@ -1,7 +1,7 @@
 """Step 5 of `for_runtime`: each quantized weight's product chosen by timing every way to compute it
 (`QuantizedLinear.products`) at the row counts that matter: a decode step's, a batch's, a prompt's; on a GPU for
 every scheme, on the CPU for int8 (PyTorch's kernel, or the weight widened a block at a time for `F.linear`, in the
-activations' dtype or in float32) and int4 (PyTorch's kernel, or widened to float32).
+activations' dtype or in float32) and int4 (PyTorch's kernel, or widened likewise).
 
 Which one is fastest depends on the device, the PyTorch build and the weight's shape (docs/cuda.md has the figures),
 so it is measured, not assumed. The products give the same values up to the order of float32 sums
@@ -36,13 +36,19 @@ from llama.runtime.timing import graph_seconds_or_first, time_kernels, timed
 TIMED_ROWS = (1, 8, 64, 512)
 # On the CPU: a decode step's row count, a batch's, a short prompt, a prompt as the float kernels time it.
 CPU_TIMED_ROWS = (1, 8, 64, 256)
-CPU_SAMPLE_VALUES = 2**20
+# Weights a CPU product is timed on: enough that a widened product's costs per call (mapping its buffers) weigh
+# little, as on a whole weight; on 2**20, int4's widened product timed 1.5x slower a weight than it runs.
+CPU_SAMPLE_VALUES = 2**22
 CPU_INT8_PRODUCTS = {
     "int8": int8_kernel_product,
     "widened": widened_in_blocks,
     "widened32": functools.partial(widened_in_blocks, dtype=torch.float32),
 }
-CPU_INT4_PRODUCTS = {"tinygemm": int4_cpu_product, "widened32": widened_int4_in_blocks}
+CPU_INT4_PRODUCTS = {
+    "tinygemm": int4_cpu_product,
+    "widened": widened_int4_in_blocks,
+    "widened32": functools.partial(widened_int4_in_blocks, dtype=torch.float32),
+}
 PRODUCT_VARIABLE = "LLAMA_QUANTIZED_PRODUCT"  # pins one product (`pinned_product`)
 SCREEN = 4  # products more than this many times slower than the best at a first, eager call are not timed further
 
@@ -113,7 +119,9 @@ def cpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
         values = dict(packed=layer.weight[:sample], scales_and_zeros=scales_and_zeros, group_size=layer.group_size)
         products = CPU_INT4_PRODUCTS
     x = torch.randn(rows, layer.in_features, dtype=layer.activation_dtype())
-    return product_timings({name: functools.partial(product, **values) for name, product in products.items()}, x, 3)
+    offered = layer.products(rows)
+    calls = {name: functools.partial(product, **values) for name, product in products.items() if name in offered}
+    return product_timings(calls, x, 3)
 
 
 def gpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
