@@ -6,7 +6,8 @@ and int4 prompts at least 0.8x bfloat16's at 64 and 512 tokens).
 
 Each scheme loads in a process of its own (`Llama.build` of bench.py's random checkpoint of the shape, dtype
 bfloat16, its kernels measured or read from the cache as any load does), then runs the forward pass of a random
-prompt of each length three times; printed: the median seconds and the range, and the load report's kernels line.
+prompt of each length three times, the logits of its last position only (as generation runs a prompt, and as
+bench.py times it); printed: the median seconds and the range, and the load report's kernels line.
 """
 
 import argparse
@@ -40,7 +41,7 @@ def worker(checkpoint: Path, scheme: str) -> dict:
             runs = []
             for _ in range(RUNS):
                 start = time.perf_counter()
-                generator.model.forward(tokens, 0)
+                generator.model.forward(tokens, 0, last_logits_only=True)  # as generation runs a prompt
                 runs.append(time.perf_counter() - start)
             seconds[length] = runs
     return {"seconds": seconds, "kernels": str(generator.load_report).splitlines()[-1]}
