@@ -160,7 +160,8 @@ def widened_int4_in_blocks(
     bfloat16, AMX). The buffer holds the weight transposed, inputs by outputs, as the kernel's layout orders its
     values: unpacked without a transpose, and multiplied as it lies (docs/quantize.md)."""
     dtype = dtype or x.dtype
-    block_rows, half = cpu_int4_block_rows(), cpu_int4_block_rows() // 2
+    block_rows = cpu_int4_block_rows()
+    half = block_rows // 2
     rows = x.reshape(-1, x.shape[-1]).to(dtype)
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
     step = max(block_rows, chunk_rows(in_features) // block_rows * block_rows)
