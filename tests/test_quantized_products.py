@@ -104,6 +104,21 @@ def test_the_cpu_chooses_an_int8_product_per_row_count_by_timing_them(process_gr
         assert layer.kernels == {rows: faster for rows in quantized_kernels.CPU_TIMED_ROWS}
 
 
+def test_int4_is_not_widened_to_bfloat16_without_onednns_kernels(process_group, tmp_path, monkeypatch):
+    """On AVX2 the bfloat16 product of the widened buffer takes seconds: the load must not even time it."""
+    from llama.runtime import quantized, quantized_kernels
+
+    def never(x, **values):
+        raise AssertionError("the bfloat16 widened product was timed")
+
+    monkeypatch.setattr(quantized, "onednn_bf16_supported", lambda: False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(quantized_kernels, "CPU_INT4_PRODUCTS", {**CPU_INT4_PRODUCTS, "widened": never})
+    layer, _ = int4_layer(rows=128, cols=256)
+    quantized_kernels.choose_quantized_kernels(layer)
+    assert "widened" not in layer.products(64) and set(layer.kernels.values()) <= {"tinygemm", "widened32"}
+
+
 def test_an_int8_choice_once_timed_is_kept_by_every_later_load(process_group, tmp_path, monkeypatch):
     """The products round differently, so the first timing's choice is cached and every later choice on this
     machine (in this process, or a new one reading the file) is the same, though the products now time otherwise."""
