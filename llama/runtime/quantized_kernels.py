@@ -36,8 +36,9 @@ from llama.runtime.timing import graph_seconds_or_first, time_kernels, timed
 TIMED_ROWS = (1, 8, 64, 512)
 # On the CPU: a decode step's row count, a batch's, a short prompt, a prompt as the float kernels time it.
 CPU_TIMED_ROWS = (1, 8, 64, 256)
-# Weights a CPU product is timed on: enough that a widened product's costs per call (mapping its buffers) weigh
-# little, as on a whole weight; on 2**20, int4's widened product timed 1.5x slower a weight than it runs.
+# Weights a CPU product is timed on: enough that a widened product's fixed costs per call weigh little, as on a
+# whole weight; on 2**20, timed between the other products, int4's widened product took 1.5x as long a weight as
+# it does alone.
 CPU_SAMPLE_VALUES = 2**22
 CPU_INT8_PRODUCTS = {
     "int8": int8_kernel_product,
