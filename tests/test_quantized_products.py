@@ -42,8 +42,10 @@ def test_every_int8_product_computes_the_dequantized_weights_product(process_gro
     expected_weight = dequantize(layer.weight, layer.scales)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
     expected = x @ expected_weight.t()
-    assert set(layer.products(rows)) == {"int8", "widened", "widened32"}  # on the CPU; a GPU has "fused" for one row
-    products = {**layer.products(rows), "fused": layer.fused_product}  # torch.compile's, run here on the CPU
+    # On the CPU ("widened" in the activations' dtype only where oneDNN multiplies bfloat16); a GPU has "fused"
+    assert set(layer.products(rows)) - {"widened"} == {"int8", "widened32"}
+    assert ("widened" in layer.products(rows)) == onednn_bf16_supported()
+    products = {"widened": layer.widened_product, **layer.products(rows), "fused": layer.fused_product}
     with torch.inference_mode():  # as decoding runs them
         for name, product in products.items():
             torch.testing.assert_close(product(x), expected, atol=1e-4, rtol=1e-4, msg=name)
@@ -52,15 +54,15 @@ def test_every_int8_product_computes_the_dequantized_weights_product(process_gro
 def test_each_row_count_runs_the_product_chosen_for_it(process_group):
     layer = int8_layer()
     assert layer.kernel_for(1) == layer.kernel_for(4096) == "int8"  # unmeasured: the CPU's default
-    layer.kernels = {1: "int8", 8: "widened", 64: "int8"}
+    layer.kernels = {1: "int8", 8: "widened32", 64: "int8"}
     chosen = [layer.kernel_for(rows) for rows in (1, 2, 8, 9, 64, 5000)]
-    assert chosen == ["int8", "widened", "widened", "int8", "int8", "int8"]
+    assert chosen == ["int8", "widened32", "widened32", "int8", "int8", "int8"]
     ran = []
-    for name in ("int8", "widened"):
+    for name in ("int8", "widened32"):
         setattr(layer, f"{name}_product", lambda x, name=name: ran.append(name) or x[..., :96])
     for rows in (1, 3, 100):
         layer(torch.zeros(rows, 128))
-    assert ran == ["int8", "widened", "int8"]
+    assert ran == ["int8", "widened32", "int8"]
 
 
 def test_the_cpu_widens_int8_prompts_in_blocks_to_the_same_product(process_group):
@@ -76,7 +78,7 @@ def test_the_cpu_widens_int8_prompts_in_blocks_to_the_same_product(process_group
     exact = in_bf16.double() @ dequantize(layer.weight, layer.scales).double().t()
     errors = {}
     for name in ("widened", "widened32"):
-        y = layer.products(5)[name](in_bf16)
+        y = getattr(layer, f"{name}_product")(in_bf16)
         assert y.dtype == torch.bfloat16
         errors[name] = float((y.double() - exact).abs().mean())
     assert errors["widened32"] < 0.9 * errors["widened"], errors
@@ -97,14 +99,15 @@ def test_the_cpu_chooses_an_int8_product_per_row_count_by_timing_them(process_gr
     from llama.runtime import quantized_kernels
 
     layer = int8_layer()
-    for faster in ("int8", "widened", "widened32"):
+    for faster in layer.products(64):  # "widened" only where oneDNN multiplies bfloat16
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / faster))  # a machine that has measured nothing
         monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products_where(faster))
         quantized_kernels.choose_quantized_kernels(layer)
         assert layer.kernels == {rows: faster for rows in quantized_kernels.CPU_TIMED_ROWS}
 
 
-def test_int4_is_not_widened_to_bfloat16_without_onednns_kernels(process_group, tmp_path, monkeypatch):
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_nothing_is_widened_to_bfloat16_without_onednns_kernels(process_group, tmp_path, monkeypatch, scheme):
     """On AVX2 the bfloat16 product of the widened buffer takes seconds: the load must not even time it."""
     from llama.runtime import quantized, quantized_kernels
 
@@ -113,10 +116,11 @@ def test_int4_is_not_widened_to_bfloat16_without_onednns_kernels(process_group, 
 
     monkeypatch.setattr(quantized, "onednn_bf16_supported", lambda: False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(quantized_kernels, "CPU_INT4_PRODUCTS", {**CPU_INT4_PRODUCTS, "widened": never})
-    layer, _ = int4_layer(rows=128, cols=256)
+    table = "CPU_INT8_PRODUCTS" if scheme == "int8" else "CPU_INT4_PRODUCTS"
+    monkeypatch.setattr(quantized_kernels, table, {**getattr(quantized_kernels, table), "widened": never})
+    layer = int8_layer() if scheme == "int8" else int4_layer(rows=128, cols=256)[0]
     quantized_kernels.choose_quantized_kernels(layer)
-    assert "widened" not in layer.products(64) and set(layer.kernels.values()) <= {"tinygemm", "widened32"}
+    assert "widened" not in layer.products(64) and "widened" not in layer.kernels.values()
 
 
 def test_an_int8_choice_once_timed_is_kept_by_every_later_load(process_group, tmp_path, monkeypatch):
@@ -127,12 +131,12 @@ def test_an_int8_choice_once_timed_is_kept_by_every_later_load(process_group, tm
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     layer = int8_layer()
-    monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products_where("widened"))
+    monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products_where("widened32"))
     quantized_kernels.choose_quantized_kernels(layer)
     first = layer.kernels
     monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products_where("int8"))
     quantized_kernels.choose_quantized_kernels(layer)
-    assert layer.kernels == first == {rows: "widened" for rows in quantized_kernels.CPU_TIMED_ROWS}
+    assert layer.kernels == first == {rows: "widened32" for rows in quantized_kernels.CPU_TIMED_ROWS}
     KernelCache.IN_PROCESS.clear()  # as a new process starts: from the file
     quantized_kernels.choose_quantized_kernels(layer)
     assert layer.kernels == first
@@ -190,9 +194,9 @@ def test_an_environment_variable_pins_one_product_and_nothing_is_timed(process_g
 
     monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", {"int8": never, "widened": never, "widened32": never})
     layer = int8_layer()
-    monkeypatch.setenv("LLAMA_QUANTIZED_PRODUCT", "widened")
+    monkeypatch.setenv("LLAMA_QUANTIZED_PRODUCT", "widened32")
     quantized_kernels.choose_quantized_kernels(layer)
-    assert [layer.kernel_for(rows) for rows in (1, 8, 300)] == ["widened"] * 3
+    assert [layer.kernel_for(rows) for rows in (1, 8, 300)] == ["widened32"] * 3
     monkeypatch.setenv("LLAMA_QUANTIZED_PRODUCT", "turbo")
     with pytest.raises(ValueError, match="LLAMA_QUANTIZED_PRODUCT='turbo' is not a quantized product"):
         quantized_kernels.choose_quantized_kernels(layer)

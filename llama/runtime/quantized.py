@@ -188,8 +188,8 @@ class Int8Linear(QuantizedLinear):
 
     Products: "int8", PyTorch's int8 kernel (the CPU's default); "widened", the weight widened to the activations'
     dtype inside `F.linear` (the GPU's default, and what a compiled step fuses into one pass; on the CPU a block of
-    rows at a time, for prompts); on the CPU "widened32", the same in float32; on a GPU "fused", that product
-    compiled on its own, for one row, where torch.compile reads each int8 weight once."""
+    rows at a time, for prompts, where oneDNN multiplies bfloat16); on the CPU "widened32", the same in float32; on
+    a GPU "fused", that product compiled on its own, for one row, where torch.compile reads each int8 weight once."""
 
     CPU_DEFAULT, GPU_DEFAULT = "int8", "widened"
 
@@ -202,7 +202,10 @@ class Int8Linear(QuantizedLinear):
 
     def products(self, rows: int) -> dict:
         if self.weight.device.type == "cpu":
-            return {"int8": self.int8_product, "widened": self.widened_product, "widened32": self.widened32_product}
+            products = {"int8": self.int8_product, "widened32": self.widened32_product}
+            if onednn_bf16_supported():  # as int4's: on AVX2 a bfloat16 product of the buffer never wins
+                products["widened"] = self.widened_product
+            return products
         products = {"int8": self.int8_product, "widened": self.widened_product}
         if rows == 1:  # compiled for one row count only: a graph for each would be compiled at its first use
             products["fused"] = self.fused_product
