@@ -16,9 +16,9 @@ The speed-ups:
   on the `--against` kernel (default `F.linear`, what transformers runs; where that kernel cannot run a product,
   `F.linear`).
 - matmul-attention: bfloat16 attention of one new position on float32 matmuls
-(`llama.runtime.cpu.one_position_attention`,
-  from `MATMUL_ATTENTION_MIN_SCORES` scores on) rather than SDPA's bfloat16 kernel; only where oneDNN has no
-  bfloat16 kernels (AVX2). Only the decode steps after a long prompt attend over that many positions here.
+  (`llama.runtime.cpu.one_position_attention`, from the cache length measured at load on:
+  `llama.runtime.cpu.attention`) rather than SDPA's bfloat16 kernel.
+  Switched off, SDPA attends at every length.
 - fp16-call: fbgemm's products called with torch functions of tensor subclasses switched off
   (`llama.runtime.cpu.fp16_products`), which skips a failed `__torch_function__` lookup on the packed weight at each
   call; only where weights run on float16 copies. Switched off, the op is called as it is elsewhere.
@@ -123,13 +123,14 @@ def measured_kernels_switch(generator: Llama, against: str):
 
 
 def matmul_attention_switch(generator: Llama):
-    if generator.model.layers[0].attention.one_position_attention is None:
-        sys.exit("One position's bfloat16 attention runs on float32 matmuls only on CPUs without oneDNN's bfloat16 "
-                 "kernels (AVX2)")  # fmt: skip
-    min_scores = llama.runtime.cpu.MATMUL_ATTENTION_MIN_SCORES
+    attentions = [block.attention for block in generator.model.layers]
+    kernel = attentions[0].one_position_attention
+    if kernel is None:
+        sys.exit("One position's bfloat16 attention was measured faster on SDPA at every length here")
 
     def switch(on: bool) -> None:
-        llama.runtime.cpu.kernels.MATMUL_ATTENTION_MIN_SCORES = min_scores if on else sys.maxsize
+        for attention in attentions:
+            attention.one_position_attention = kernel if on else None
 
     return switch
 

@@ -23,7 +23,6 @@ from helpers import (
     incremental_logits,
     load_reference,
     load_tiny,
-    reference_attention,
     with_reference_attention,
 )
 
@@ -480,43 +479,6 @@ def test_layers_sharing_a_copy_each_give_their_own_product(process_group, tmp_pa
             assert all(torch.equal(out, alone(layer, input)) for layer, out in zip(qkv, attention.qkv(input)))
             w1, w3 = feed_forward.w13(input)
             assert torch.equal(w1, alone(feed_forward.w1, input)) and torch.equal(w3, alone(feed_forward.w3, input))
-
-
-def test_one_position_attention_rounds_as_meta_bfloat16_attention(process_group, monkeypatch):
-    """The float32-matmul attention of one new position (beyond `MATMUL_ATTENTION_MIN_SCORES`, lowered here) gives
-    Meta's bfloat16 attention bit for bit, grouped-query heads and batches included; SDPA's bfloat16 kernel,
-    which it replaces there, rounds elsewhere."""
-    patch_cpu(monkeypatch, "MATMUL_ATTENTION_MIN_SCORES", 0)
-    generator = torch.Generator().manual_seed(6)
-    for bsz, n_heads, n_kv_heads, positions in [(1, 4, 1, 40), (2, 8, 2, 130), (1, 6, 6, 300)]:
-        xq = torch.randn(bsz, 1, n_heads, 64, generator=generator).bfloat16()
-        keys, values = (torch.randn(bsz, positions, n_kv_heads, 64, generator=generator).bfloat16() for _ in "kv")
-        expected = reference_attention(xq, keys, values, None, n_heads // n_kv_heads)
-        layout = [t.transpose(1, 2) for t in (xq, keys, values)]  # as Attention.forward passes them
-        output = llama.runtime.cpu.one_position_attention(*layout).transpose(1, 2).reshape(bsz, 1, -1)
-        assert torch.equal(output, expected)
-        sdpa = F.scaled_dot_product_attention(*layout, enable_gqa=n_heads > n_kv_heads).transpose(1, 2)
-        assert not torch.equal(sdpa.reshape(bsz, 1, -1), expected)
-
-
-def test_bfloat16_decoding_with_one_position_attention_gives_meta_logits(process_group, tmp_path, monkeypatch):
-    """Fed one token at a time, a bfloat16 model whose attention of one new position runs on float32 matmuls gives
-    the logits of Meta's attention bit for bit (the same layers on both sides), where SDPA's do not; on CPUs
-    without oneDNN's bfloat16 kernels `Llama.build` sets it."""
-    patch_cpu(monkeypatch, "onednn_bf16_supported", lambda: False)
-    weights = random_weights(GQA_PARAMS, seed=12)
-    monkeypatch.setenv("LLAMA_CPU_KERNEL", "linear")  # F.linear on both sides: only the attention differs
-    fast = load_tiny(tmp_path / "fast", weights, torch.bfloat16)
-    assert all(
-        block.attention.one_position_attention is llama.runtime.cpu.one_position_attention for block in fast.layers
-    )
-    reference = reference_model(tmp_path / "reference", weights, torch.bfloat16)
-    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 14), generator=torch.Generator().manual_seed(2))
-    one_at_a_time = [1] * tokens.shape[1]
-    expected = incremental_logits(reference, tokens, one_at_a_time)
-    assert not torch.equal(incremental_logits(fast, tokens, one_at_a_time), expected)  # SDPA: too few scores
-    patch_cpu(monkeypatch, "MATMUL_ATTENTION_MIN_SCORES", 0)
-    assert torch.equal(incremental_logits(fast, tokens, one_at_a_time), expected)
 
 
 def test_an_unknown_pinned_kernel_is_a_value_error_naming_the_kernels(process_group, tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 steps, in order. Nothing else in the package replaces a model's layers or sets attributes on them.
 """
 
+import contextlib
 import functools
 import logging
 from typing import Optional, Tuple
@@ -52,7 +53,8 @@ def for_runtime(
        kernel per row count is chosen in step 3.
     2. `RuntimeTransformer`: the runtime modules (`llama.runtime.transformer`): fused products where the CPU runs
        them as one (`fuse_products`), the fixed-shape decode step, per-row positions and cache rows for the
-       engine, and a faster kernel for one new position's attention where the CPU has one.
+       engine, and on the CPU float32 matmuls for one new position's bfloat16 attention from the cache length where
+       they measure faster than SDPA (`attention_kernel`, on the threads PyTorch's operations decode on).
     3. `choose_cpu_kernels`: each product's kernels measured (or read from the cache), and the float16 copies made;
        with `verify_rows`, also for the rows of a speculative pass, which a prompt's kernel would run at its speed.
     4. `use_parallel_layers`: every fairscale layer left (all of them off the CPU) becomes `ParallelLinear` or
@@ -68,7 +70,10 @@ def for_runtime(
     # What this CPU's kernels can do for the model, asked before its layers change.
     on_cpu_kernels = runs_on_cpu_kernels(model)
     copies = on_cpu_kernels and copies_fit(model)  # kernels on a second copy of the weights, where memory allows
-    one_position = attention_kernel(model.norm.weight.dtype) if on_cpu_kernels else None
+    on_onnx_runtime = runs_on_onnx_runtime(model)
+    # Measured on the threads PyTorch's own operations decode on: one where ONNX Runtime runs the products (step 5).
+    with one_torch_thread() if on_onnx_runtime else contextlib.nullcontext():
+        one_position = attention_kernel(model) if on_cpu_kernels else None
     if on_cpu_kernels:
         use_cpu_kernels(model)
     runtime = RuntimeTransformer(model, fuse_products(copies), one_position)
@@ -76,7 +81,7 @@ def for_runtime(
         choose_cpu_kernels(runtime, copies, verify_rows)
     use_parallel_layers(runtime)
     choose_quantized_kernels(runtime)
-    if runs_on_onnx_runtime(runtime):
+    if on_onnx_runtime:
         make_sessions(runtime)
         runtime.threads = one_torch_thread
     runtime.kernels_in_use = kernels_in_use(runtime)  # what the load report says of the choices

@@ -14,10 +14,12 @@ bfloat16 checkpoint) the smallest weights round by less than 3e-8. Tests hold lo
 math in float32 and greedy tokens equal. Figures: `benchmarks/bench.py`, docs/speed.md.
 
 One concern a module: `kernels` (what each kernel runs and needs), `layers` (`CPULinear`, `FusedProduct`), `cache`
-(this CPU, and what measuring found on it) and `choice` (measuring and choosing). `llama.runtime` applies them to a
+(this CPU, and what measuring found on it), `choice` (measuring and choosing) and `attention` (the kernel of one new
+position's attention, measured likewise). `llama.runtime` applies them to a
 loaded model.
 """
 
+from llama.runtime.cpu.attention import attention_kernel, matmul_attention_from
 from llama.runtime.cpu.cache import (
     INSTRUCTION_CAPS,
     KernelCache,
@@ -34,7 +36,6 @@ from llama.runtime.cpu.choice import (
     PROMPT_SAMPLE_VALUES,
     PROMPT_TIMED_ROUNDS,
     TIMED_ROUNDS,
-    attention_kernel,
     calls_per_context,
     choose_kernels,
     copies_fit,
@@ -46,11 +47,11 @@ from llama.runtime.cpu.choice import (
     weight_sample,
 )
 from llama.runtime.cpu.kernels import (
+    ATTENTION_KERNELS,
     FP16_BLOCK_VALUES,
     FP16_MAX,
     KERNEL_VARIABLE,
     KERNELS,
-    MATMUL_ATTENTION_MIN_SCORES,
     candidate_kernels,
     fbgemm_fp16_supported,
     fp16_linear,
@@ -80,6 +81,7 @@ from llama.runtime.cpu.layers import (
 )
 
 __all__ = [
+    "ATTENTION_KERNELS",
     "CPULinear",
     "DECODE_SAMPLE_VALUES",
     "FP16_BLOCK_VALUES",
@@ -91,7 +93,6 @@ __all__ = [
     "KERNELS",
     "KERNEL_VARIABLE",
     "KernelCache",
-    "MATMUL_ATTENTION_MIN_SCORES",
     "Measured",
     "PROMPT_ROWS",
     "PROMPT_SAMPLE_VALUES",
@@ -116,6 +117,7 @@ __all__ = [
     "last_level_cache_bytes",
     "layers_of",
     "make_weight_copies",
+    "matmul_attention_from",
     "measure",
     "one_position_attention",
     "onednn_bf16_supported",

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Set
 
 import torch
 
-from llama.runtime.cpu.kernels import KERNELS
+from llama.runtime.cpu.kernels import ATTENTION_KERNELS, KERNELS
 from llama.runtime.quantized import QUANTIZED_PRODUCTS
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,8 @@ class KernelCache:
             return False
         figures = [*seconds.values(), *median.values(), entry.get("fp16_copy", 0.0)]
         numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in figures)
-        return numbers and set(seconds) == set(median) and set(seconds) <= set(KERNELS) | set(QUANTIZED_PRODUCTS)
+        known = {*KERNELS, *QUANTIZED_PRODUCTS, *ATTENTION_KERNELS}
+        return numbers and set(seconds) == set(median) and set(seconds) <= known
 
     def key(self, product: str, rows: int, candidates: List[str]) -> str:
         return f"{self.machine} | {product} | {rows} rows | {' '.join(candidates)}"

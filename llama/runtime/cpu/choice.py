@@ -20,8 +20,6 @@ from llama.runtime.cpu.kernels import (
     candidate_kernels,
     fp16_linear,
     holds_bfloat16_values,
-    one_position_attention,
-    onednn_bf16_supported,
     onednn_supported,
     pinned_kernel,
     run_kernel,
@@ -360,9 +358,3 @@ def copies_fit(model: nn.Module) -> bool:
     a weight) may be candidates: when that copy fits in half the memory the system has available now."""
     copy_bytes = sum(p.numel() * 2 for p in model.parameters())
     return 2 * copy_bytes <= available_memory()
-
-
-def attention_kernel(dtype: torch.dtype) -> Optional[Callable]:
-    """A faster kernel than SDPA's for one new position's attention in `dtype`, where this CPU needs one: in bfloat16
-    where oneDNN has no bfloat16 kernels (AVX2), `one_position_attention`; else None."""
-    return one_position_attention if dtype == torch.bfloat16 and not onednn_bf16_supported() else None

@@ -159,24 +159,25 @@ def run_kernel(kernel: str, x: torch.Tensor, weight: torch.Tensor, packed) -> to
     return F.linear(x, weight)
 
 
-# From this many scores (query heads x positions attended) on, `one_position_attention` runs on float32 matmuls;
-# below it SDPA's bfloat16 kernel is as fast or faster, since the matmul path's dozen small operations cost what
-# they cost whatever their size (figures: docs/speed.md).
-MATMUL_ATTENTION_MIN_SCORES = 2048
+# The kernels one new position's bfloat16 attention may run on: SDPA's, or `one_position_attention`'s float32 matmuls.
+ATTENTION_KERNELS = ("sdpa", "matmul")
 
 
-def one_position_attention(xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def one_position_attention(
+    xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, from_positions: int = 0
+) -> torch.Tensor:
     """bfloat16 attention of one new position per sequence (`RuntimeAttention.one_position_attention`), rounded where
     Meta's code rounds it: the scores to bfloat16, then divided by sqrt(head_dim) in bfloat16, the softmax (in
     float32) to bfloat16, and the weighted sum of values to bfloat16. The products of bfloat16 values are exact in
     float32, so float32 matmuls give Meta's bfloat16 matmuls but for the order of their sums.
 
-    Where oneDNN has no bfloat16 kernels (AVX2), SDPA's bfloat16 kernel attends one position several times more
-    slowly than this (docs/speed.md). Below `MATMUL_ATTENTION_MIN_SCORES` scores, SDPA is as fast and is kept.
+    SDPA's bfloat16 kernel attends one position several times more slowly than this on long caches, and faster on
+    short ones (docs/speed.md); below `from_positions` positions it runs instead (`llama.runtime.cpu.attention`
+    measures where they cross).
     """
     bsz, n_heads, _, head_dim = xq.shape
     n_kv_heads, positions = keys.shape[1], keys.shape[2]
-    if n_heads * positions < MATMUL_ATTENTION_MIN_SCORES:
+    if positions < from_positions:
         return F.scaled_dot_product_attention(xq, keys, values, enable_gqa=n_heads > n_kv_heads)
     # Query head h attends with kv head h // (n_heads // n_kv_heads), as Meta's repeat_kv pairs them.
     queries = xq.reshape(bsz, n_kv_heads, n_heads // n_kv_heads, head_dim).float()
