@@ -15,8 +15,7 @@ math in float32 and greedy tokens equal. Figures: `benchmarks/bench.py`, docs/sp
 
 One concern a module: `kernels` (what each kernel runs and needs), `layers` (`CPULinear`, `FusedProduct`), `cache`
 (this CPU, and what measuring found on it), `choice` (measuring and choosing) and `attention` (the kernel of one new
-position's attention, measured likewise). `llama.runtime` applies them to a
-loaded model.
+position's attention, measured likewise). `llama.runtime` applies them to a loaded model.
 """
 
 from llama.runtime.cpu.attention import attention_kernel, matmul_attention_from

@@ -74,12 +74,8 @@ def matmul_attention_from(n_heads: int, n_kv_heads: int, head_dim: int, max_seq_
         f"{positions}: " + ", ".join(f"{k} {t * 1e6 / CALLS:.0f}" for k, t in measured[positions].median.items())
         for positions in lengths
     )
-    logger.info(
-        "CPU kernel for %s: float32 matmuls from %s cached positions on (us per call by cache length: %s)",
-        name,
-        start if start is not None else "no number of",
-        figures,
-    )
+    chosen = "SDPA at every length" if start is None else f"float32 matmuls from {start} cached positions on"
+    logger.info("CPU kernel for %s: %s (us per call by cache length: %s)", name, chosen, figures)
     return start
 
 
