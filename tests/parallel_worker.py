@@ -1,13 +1,14 @@
 """One process of a model-parallel run, launched by tests/test_parallel.py under torchrun (or plain python).
 
     torchrun --nproc_per_node M tests/parallel_worker.py CKPT_DIR TOKENIZER OUT_PREFIX [--fail raise --fail-rank 1]
-        [--compile] [--quantize int8|int4] [--greedy-only]
+        [--compile] [--quantize int8|int4] [--greedy-only] [--dtype bfloat16]
+        [--skewed-timings --cache-per-rank DIR]
 
 Every rank builds the Llama, completes PROMPTS greedily and then (unless --greedy-only) two of them with sampling
-and all of them in a next turn, and writes OUT_PREFIX.rank{R}.json: its token IDs and a sha256 per parameter of the
-weights it loaded. Rank 0 also prints the greedy generations. `--fail` makes one rank misbehave on purpose, to test
-that the others stop; it writes OUT_PREFIX.rank{R}.failed_at (a time.time()) first. Every rank writes
-OUT_PREFIX.rank{R}.pid.
+and all of them in a next turn, and writes OUT_PREFIX.rank{R}.json: its token IDs, a sha256 per parameter of the
+weights it loaded and the CPU kernels it runs. Rank 0 also prints the greedy generations. `--fail` makes one rank
+misbehave on purpose, to test that the others stop; it writes OUT_PREFIX.rank{R}.failed_at (a time.time()) first.
+Every rank writes OUT_PREFIX.rank{R}.pid.
 """
 
 import argparse
@@ -41,8 +42,15 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="decode through the compiled decode step")
     parser.add_argument("--quantize", choices=["int8", "int4"], help="Llama.build's quantize")
     parser.add_argument("--greedy-only", action="store_true", help="complete greedily only (no sampling, no next turn)")
+    parser.add_argument("--dtype", default="float32", help="Llama.build's dtype")
+    parser.add_argument("--skewed-timings", action="store_true", help="rank 0 times the kernels unlike the others")
+    parser.add_argument("--cache-per-rank", help="each rank's kernel cache in a folder of its own under this one")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", 0))
+    if args.skewed_timings:
+        skew_kernel_timings(rank)
+    if args.cache_per_rank:  # as on nodes of their own: no rank reads what another measured
+        os.environ["XDG_CACHE_HOME"] = os.path.join(args.cache_per_rank, f"rank{rank}")
     failing = rank == args.fail_rank
     with open(f"{args.out_prefix}.rank{rank}.pid", "w") as f:  # lets the test end a worker it left behind
         f.write(str(os.getpid()))
@@ -54,7 +62,7 @@ def main() -> None:
         max_seq_len=64,
         max_batch_size=len(PROMPTS),
         device="cpu",
-        dtype="float32",  # what Meta folders get on CPU anyway; Hugging Face folders would keep bf16
+        dtype=args.dtype,  # float32 by default: what Meta folders get on CPU anyway
         timeout=timedelta(seconds=args.timeout),
         compile=args.compile,
         quantize=args.quantize,
@@ -89,7 +97,16 @@ def main() -> None:
         key: hashlib.sha256(tensor.float().contiguous().numpy().tobytes()).hexdigest()
         for key, tensor in generator.model.state_dict().items()
     }
-    result = {"rank": rank, "greedy": greedy, "sampled": sampled, "next_turn": next_turn, "weights": weights}
+    attention = generator.model.layers[0].attention.one_position_attention  # None: SDPA at every cache length
+    result = {
+        "rank": rank,
+        "greedy": greedy,
+        "sampled": sampled,
+        "next_turn": next_turn,
+        "weights": weights,
+        "kernels": generator.model.kernels_in_use,
+        "matmul_attention_from": attention.keywords["from_positions"] if attention is not None else None,
+    }
     if args.compile:  # how many graphs the compiled decode step became, and the reasons it was broken up
         from torch._dynamo.utils import counters  # imported only here: torch._dynamo takes seconds to import
 
@@ -97,6 +114,24 @@ def main() -> None:
         result["graph_breaks"] = list(counters["graph_break"])
     with open(f"{args.out_prefix}.rank{rank}.json", "w") as f:
         json.dump(result, f)
+
+
+def skew_kernel_timings(rank: int) -> None:
+    """Make the kernels' timings at load disagree between ranks, as real ones may (by less): rank 0 finds the
+    first candidate of every choice the fastest, the other ranks the last."""
+    import llama.runtime.cpu.attention
+    import llama.runtime.cpu.choice
+    import llama.runtime.quantized_kernels
+
+    def time_kernels(runs, flush, rounds):
+        timings = []
+        for calls in runs:
+            fastest = list(calls)[0 if rank == 0 else -1]
+            timings.append({kernel: [1e-3 if kernel == fastest else 2e-3] * rounds for kernel in calls})
+        return timings
+
+    for module in (llama.runtime.cpu.attention, llama.runtime.cpu.choice, llama.runtime.quantized_kernels):
+        module.time_kernels = time_kernels
 
 
 if __name__ == "__main__":

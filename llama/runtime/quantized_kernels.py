@@ -76,20 +76,22 @@ def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Dict[int, str]]:
 
 def measured_choice(layer: QuantizedLinear, cache: KernelCache) -> Dict[int, str]:
     """The fastest product of `layer` at each timed row count, from `cache` where it holds the row count's timings
-    (measured by an earlier load here: the same choice, so the same results), else timed now and cached."""
+    (measured by an earlier load here: the same choice, so the same results), else timed now and cached; under
+    model parallelism, rank 0's figures on every rank (`KernelCache.agree`)."""
     on_cpu = layer.weight.device.type == "cpu"
     device = "CPU" if on_cpu else torch.cuda.get_device_name(layer.weight.device)
     product = f"{type(layer).__name__} {layer.activation_dtype()} {layer.out_features}x{layer.in_features} on {device}"
-    choice = {}
-    for rows in CPU_TIMED_ROWS if on_cpu else TIMED_ROWS:
-        candidates = sorted(layer.products(rows))
-        key = cache.key(product, rows, candidates)
-        measured = cache.get(key)
-        if measured is None:
-            measured = cpu_timings(layer, rows) if on_cpu else gpu_timings(layer, rows)
-            cache.put(key, measured)
-        choice[rows] = measured.fastest()
-    return choice
+    row_counts = CPU_TIMED_ROWS if on_cpu else TIMED_ROWS
+    keys = {rows: cache.key(product, rows, sorted(layer.products(rows))) for rows in row_counts}
+    measured = {}
+    for rows, key in keys.items():
+        measured[rows] = cache.get(key)
+        if measured[rows] is None:
+            measured[rows] = cpu_timings(layer, rows) if on_cpu else gpu_timings(layer, rows)
+            cache.put(key, measured[rows])
+    changed = cache.agree(set(keys.values()))  # under model parallelism every rank runs what rank 0 measured
+    measured.update({rows: cache.get(key) for rows, key in keys.items() if key in changed})
+    return {rows: found.fastest() for rows, found in measured.items()}
 
 
 def pinned_product(layer: QuantizedLinear) -> Optional[str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Set
 
 import torch
+import torch.distributed as dist
 
 from llama.runtime.cpu.kernels import ATTENTION_KERNELS, KERNELS
 from llama.runtime.quantized import QUANTIZED_PRODUCTS
@@ -106,7 +107,11 @@ class KernelCache:
     first load finds it measured on a busier machine (`llama.runtime.cpu.choice.cached_timings_stale`, `forget`).
     What a process measured or read stays in `IN_PROCESS`, so that every load in the process chooses alike, even
     where the file cannot be written. A file that cannot be read, or holds anything else, is ignored (the kernels
-    are measured again and the file rewritten); one that cannot be written is skipped."""
+    are measured again and the file rewritten); one that cannot be written is skipped.
+
+    Under model parallelism every rank measures its own shard of each product (the same shapes on every rank), on
+    its own cores; then every rank runs what rank 0 found, and keeps that in its file (`agree`): a first load runs
+    what every later one reads, on every rank, whether the ranks share a file or each node has its own."""
 
     FORMAT = 4  # 4: one-row and batch timings on samples of up to 2**24 weights (2**22 before)
     # Entries measured or read in this process, by cache file: they win over what the file holds now.
@@ -184,6 +189,23 @@ class KernelCache:
         if measured.confirmed:
             entry["confirmed"] = True
         self.entries[key] = self.measured[key] = self.seen[key] = entry
+
+    def agree(self, keys: Set[str]) -> Set[str]:
+        """Under model parallelism (a process group of more than one), take rank 0's entries for `keys` in place of
+        this rank's (a collective: every rank calls it at the same point of a load). Returns the keys whose
+        entries changed here. Each rank's timings differ a little; were each to choose from its own, the ranks of a
+        first load could run other kernels than the ones the file keeps for later loads. A rank on another kind of
+        machine (another node) has keys of its own, and keeps its entries."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return set()
+        shared = [{key: self.entries.get(key) for key in sorted(keys)}]
+        dist.broadcast_object_list(shared, src=0)
+        changed = set()
+        for key, entry in shared[0].items():
+            if key in keys and entry is not None and entry != self.entries.get(key):
+                self.entries[key] = self.seen[key] = self.measured[key] = entry
+                changed.add(key)
+        return changed
 
     def save(self) -> None:
         """Write what was measured since this cache was read, with what the file holds now (another process may

@@ -255,6 +255,10 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> Dict[CP
                     measured[job.name, job.rows] = found[job.key], "measured" + (", busy" * found[job.key].noisy)
                 warn_if_busy([job for job in jobs if found[job.key].noisy])
             del flush
+    every_job = {job.key: job for job in cached + jobs}
+    for key in cache.agree(set(every_job)):  # under model parallelism every rank runs what rank 0 measured
+        job = every_job[key]
+        measured[job.name, job.rows] = cache.get(key), "as rank 0 measured"
     for name, layers in by_name.items():
         timings = {rows: m for (product, rows), (m, _) in measured.items() if product == name}
         for rows, kernel in kernels_for(timings, model.params.max_seq_len).items():
