@@ -67,9 +67,9 @@ def matmul_attention_from(n_heads: int, n_kv_heads: int, head_dim: int, max_seq_
                 {kernel: statistics.median(rounds) for kernel, rounds in seconds.items()},
             )
             cache.put(keys[positions], measured[positions])
-        cache.save()
     changed = cache.agree(set(keys.values()))  # under model parallelism every rank runs what rank 0 measured
     measured.update({positions: cache.get(key) for positions, key in keys.items() if key in changed})
+    cache.save()
     start = None
     for positions in reversed(lengths):
         if measured[positions].fastest() != "matmul":
