@@ -7,10 +7,16 @@ that round differently at different row counts, a KV cache filled by another bat
 loads.
 """
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import with_repo
 
 import llama.runtime.cpu.choice
 from llama import Llama
@@ -147,6 +153,49 @@ def test_two_loads_give_identical_logits_though_the_timings_change_between_them(
         kernels.append([dict(layer.kernels) for layer in layers])
     assert kernels[1] == kernels[0]
     assert torch.equal(logits[1], logits[0])
+
+
+# One load in a process of its own, timing its kernels slowly (a second a measurement) and ranking them as it is told:
+# the first candidate of each choice fastest, or the last, by 1.1x (a margin within which a later load's re-check
+# finds cached figures still hold: `llama.runtime.cpu.choice.FLIPPED`).
+RACING_LOAD = """
+import json, sys, time
+import llama.runtime.cpu.attention, llama.runtime.cpu.choice
+from llama import Llama
+
+def time_kernels(runs, flush, rounds):
+    time.sleep(1.0)
+    fastest = [list(calls)[0 if sys.argv[3] == "first" else -1] for calls in runs]
+    return [{k: [1e-3 if k == f else 1.1e-3] * rounds for k in calls} for calls, f in zip(runs, fastest)]
+
+for module in (llama.runtime.cpu.attention, llama.runtime.cpu.choice):
+    module.time_kernels = time_kernels
+generator = Llama.build(sys.argv[1], sys.argv[2], max_seq_len=64, max_batch_size=4, device="cpu", dtype="bfloat16")
+attention = generator.model.layers[0].attention.one_position_attention
+print(json.dumps([generator.model.kernels_in_use, attention is not None]))
+"""
+
+
+@pytest.mark.slow
+def test_loads_started_together_choose_alike(tiny_checkpoint, tokenizer_path, tmp_path):
+    """Two processes load at once on a machine that has measured nothing, and their timings rank the kernels
+    oppositely: the one that starts measuring second waits for the first, and runs the kernels the first measured,
+    as every later load here will."""
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=with_repo(Path(__file__).resolve().parents[1]))
+    loads = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACING_LOAD, str(tiny_checkpoint), tokenizer_path, rank],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        for rank in ("first", "last")
+    ]
+    outputs = [load.communicate(timeout=120) for load in loads]
+    assert [load.returncode for load in loads] == [0, 0], outputs
+    choices = [json.loads(stdout) for stdout, _ in outputs]
+    assert choices[0] == choices[1]
 
 
 @pytest.mark.slow

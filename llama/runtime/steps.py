@@ -21,6 +21,7 @@ from llama.runtime.cpu import (
     copies_fit,
     fused_product,
     make_weight_copies,
+    measuring_alone,
     row_counts,
     runs_on_cpu_kernels,
 )
@@ -66,21 +67,25 @@ def for_runtime(
     6. The decode step: compiled with torch.compile if asked (`compiled_decode_step`; `compile=None` asks where
        `compiles_by_default`), else on one CUDA GPU replayed as CUDA graphs where `cuda_graphs` (`use_cuda_graphs`,
        `CUDAGraphDecodeStep`).
+
+    Steps 2 to 5 time kernels or read what earlier loads timed, under `measuring_alone`: a load that starts while
+    another process of this machine measures waits for it, and then chooses from its figures.
     """
     # What this CPU's kernels can do for the model, asked before its layers change.
     on_cpu_kernels = runs_on_cpu_kernels(model)
     copies = on_cpu_kernels and copies_fit(model)  # kernels on a second copy of the weights, where memory allows
     on_onnx_runtime = runs_on_onnx_runtime(model)
-    # Measured on the threads PyTorch's own operations decode on: one where ONNX Runtime runs the products (step 5).
-    with one_torch_thread() if on_onnx_runtime else contextlib.nullcontext():
-        one_position = attention_kernel(model) if on_cpu_kernels else None
-    if on_cpu_kernels:
-        use_cpu_kernels(model)
-    runtime = RuntimeTransformer(model, fuse_products(copies), one_position)
-    if on_cpu_kernels:
-        choose_cpu_kernels(runtime, copies, verify_rows)
-    use_parallel_layers(runtime)
-    choose_quantized_kernels(runtime)
+    with measuring_alone():  # loads started together on this machine measure in turn, and choose alike
+        # Measured on the threads PyTorch's own operations decode on: one where ONNX Runtime runs the products.
+        with one_torch_thread() if on_onnx_runtime else contextlib.nullcontext():
+            one_position = attention_kernel(model) if on_cpu_kernels else None
+        if on_cpu_kernels:
+            use_cpu_kernels(model)
+        runtime = RuntimeTransformer(model, fuse_products(copies), one_position)
+        if on_cpu_kernels:
+            choose_cpu_kernels(runtime, copies, verify_rows)
+        use_parallel_layers(runtime)
+        choose_quantized_kernels(runtime)
     if on_onnx_runtime:
         make_sessions(runtime)
         runtime.threads = one_torch_thread

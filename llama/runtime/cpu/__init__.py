@@ -28,6 +28,7 @@ from llama.runtime.cpu.cache import (
     cpuinfo_fields,
     instruction_caps,
     last_level_cache_bytes,
+    measuring_alone,
 )
 from llama.runtime.cpu.choice import (
     DECODE_SAMPLE_VALUES,
@@ -118,6 +119,7 @@ __all__ = [
     "make_weight_copies",
     "matmul_attention_from",
     "measure",
+    "measuring_alone",
     "one_position_attention",
     "onednn_bf16_supported",
     "onednn_supported",

@@ -1,15 +1,17 @@
 """What this CPU is (`cpu_name`, `cpu_flags`, `last_level_cache_bytes`) and what measuring its kernels found
 (`Measured`), kept between loads in `KernelCache`."""
 
+import contextlib
 import json
 import logging
 import math
 import os
 import platform
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Set
+from typing import Dict, Iterator, List, Optional, Set
 
 import torch
 import torch.distributed as dist
@@ -17,7 +19,16 @@ import torch.distributed as dist
 from llama.runtime.cpu.kernels import ATTENTION_KERNELS, KERNELS
 from llama.runtime.quantized import QUANTIZED_PRODUCTS
 
+try:
+    import fcntl
+except ImportError:  # Windows: no lock, so concurrent first loads there measure each for itself
+    fcntl = None
+
 logger = logging.getLogger(__name__)
+
+# Seconds a load waits for another process of this machine to finish measuring its kernels (`measuring_alone`);
+# then it measures for itself. Measuring takes seconds at 1B, and longer for larger models.
+LOCK_WAIT = 600
 
 
 def last_level_cache_bytes() -> int:
@@ -96,6 +107,60 @@ class Measured:
         return min((kernel for kernel in self.median if kernel != leave_out), key=self.median.get)
 
 
+def cache_folder() -> Path:
+    """Where `KernelCache` keeps its file: $XDG_CACHE_HOME/llama3, or ~/.cache/llama3."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "llama3"
+
+
+@contextlib.contextmanager
+def measuring_alone() -> Iterator[None]:
+    """Hold this machine's kernel-measuring lock (a lock file beside the `KernelCache` file) for the block: a
+    process whose load starts while another measures waits, then reads what that one measured. So loads started
+    together choose alike, as later ones will, and none times its kernels while another's take the cores. Ranks of
+    one model-parallel job do not take it: they measure together, as they will decode, and run rank 0's figures
+    (`KernelCache.agree`). Where the folder cannot be written or locked (or after `LOCK_WAIT`), the block runs
+    without the lock."""
+    lock = None
+    if fcntl is not None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        lock = locked_file(cache_folder() / "kernels.lock")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.close()  # which releases it
+
+
+def locked_file(path: Path):
+    """`path` opened and locked for this process alone (waiting up to `LOCK_WAIT` for another to let it go), or None
+    where it cannot be."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        file = open(path, "w")
+    except OSError:
+        return None
+    deadline = time.monotonic() + LOCK_WAIT
+    waiting = False
+    while True:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return file
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "Waited %d s for another process measuring this CPU's kernels: measuring here", LOCK_WAIT
+                )
+                break
+            if not waiting:
+                logger.info("Another process is measuring this CPU's kernels (%s): waiting for its figures", path)
+                waiting = True
+            time.sleep(0.05)
+        except OSError:  # a file system without locks
+            break
+    file.close()
+    return None
+
+
 class KernelCache:
     """What measuring found here (`Measured`), in `$XDG_CACHE_HOME/llama3/kernels.json` (or
     ~/.cache/llama3/kernels.json), keyed by the CPU, its flags (and `instruction_caps`), the torch version, the
@@ -118,8 +183,7 @@ class KernelCache:
     IN_PROCESS: Dict[Path, Dict[str, dict]] = {}
 
     def __init__(self):
-        root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        self.path = Path(root) / "llama3" / "kernels.json"
+        self.path = cache_folder() / "kernels.json"
         flags = " ".join(cpu_flags() + instruction_caps())
         self.machine = f"{cpu_name()} [{flags}], torch {torch.__version__}, {torch.get_num_threads()} threads"
         self.seen = self.IN_PROCESS.setdefault(self.path, {})
