@@ -113,6 +113,11 @@ def cache_folder() -> Path:
     return Path(root) / "llama3"
 
 
+def ranks_of_one_job() -> bool:
+    """Whether this process is one rank of several in a process group (torchrun, model parallelism)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 @contextlib.contextmanager
 def measuring_alone() -> Iterator[None]:
     """Hold this machine's kernel-measuring lock (a lock file beside the `KernelCache` file) for the block: a
@@ -122,7 +127,7 @@ def measuring_alone() -> Iterator[None]:
     (`KernelCache.agree`). Where the folder cannot be written or locked (or after `LOCK_WAIT`), the block runs
     without the lock."""
     lock = None
-    if fcntl is not None and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if fcntl is not None and not ranks_of_one_job():
         lock = locked_file(cache_folder() / "kernels.lock")
     try:
         yield
@@ -260,7 +265,7 @@ class KernelCache:
         entries changed here. Each rank's timings differ a little; were each to choose from its own, the ranks of a
         first load could run other kernels than the ones the file keeps for later loads. A rank on another kind of
         machine (another node) has keys of its own, and keeps its entries."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not ranks_of_one_job():
             return set()
         shared = [{key: self.entries.get(key) for key in sorted(keys)}]
         dist.broadcast_object_list(shared, src=0)
