@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import TINY_PARAMS, import_or_skip, make_checkpoint, smollm2_gguf, with_repo
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from llama import Llama
@@ -257,6 +257,7 @@ def bare_header(bare):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(edits=st.lists(st.tuples(st.integers(0, 10**9), st.integers(0, 255)), min_size=1, max_size=6))
+@example(edits=[(1280, 0)])  # found by a run: a 0 in a tensor's shape (blk.1.attn_v.weight's width)
 def test_a_mutated_gguf_header_loads_or_is_a_value_error(bare_header, tmp_path, edits):
     """Bytes of the header (counts, lengths, types, shapes, offsets) overwritten: the file opens and every tensor
     reads, or a ValueError says why; no other error, and nothing reads past the file."""

@@ -150,6 +150,10 @@ class GGUFCheckpoint(CheckpointReader):
             self.tensors[key] = tensor
             self.types[key] = kind
             self.shapes[key] = torch.Size(reversed([int(n) for n in tensor.shape]))  # GGUF lists the fastest first
+            if 0 in self.shapes[key]:
+                raise ValueError(
+                    f"{path}: tensor {tensor.name} has the shape {list(tensor.shape)}, with no values in it"
+                )
             self.dtypes[key] = FLOAT_TYPES.get(kind, torch.float32)
         if unknown:
             raise ValueError(f"{path} holds tensors that are not part of a Llama model: {unknown[:10]}")
