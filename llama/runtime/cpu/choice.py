@@ -303,9 +303,10 @@ def cached_timings_stale(
     """Whether the cached timings of `cached` (their `measured` entries) no longer hold here: the largest one-row
     product's kernels, timed again (`RECHECK_ROUNDS`), put another kernel's usual round `FLIPPED` times ahead of the
     cached choice's fastest, or the cached choice's fastest round was `STALE` times its usual round now, so the
-    cache was measured on a busier machine. A re-check whose own rounds disagree (a busy machine now) cannot tell,
-    and keeps the cache; one that finds the figures hold marks them `confirmed`, and later loads re-check no more.
-    Only a process's first use of an entry is re-checked: every load of one process chooses alike."""
+    cache was measured on a busier machine. A re-check on a machine busy now (its own rounds disagree, or the cached
+    choice runs `STALE` times slower than the cache says) cannot tell, and keeps the cache; one that finds the
+    figures hold marks them `confirmed`, and later loads re-check no more. Only a process's first use of an entry
+    is re-checked: every load of one process chooses alike."""
     one_row = [job for job in cached if job.rows == 1 and len(measured[job.name, 1][0].median) > 1]
     if not one_row:
         return False
@@ -315,8 +316,10 @@ def cached_timings_stale(
         return False
     now = measure([job], flush, RECHECK_ROUNDS)[job.key]
     choice, fastest_now = before.fastest(), now.fastest()
-    if now.noisy or choice not in now.median:
-        return False  # busy now, or the cached choice cannot run: cannot tell
+    if now.noisy or choice not in now.median or now.seconds[choice] > STALE * before.median[choice]:
+        # Busy now (rounds that disagree, or the choice's fastest round slower than its usual cached one, as when
+        # another process works beside this one), or the cached choice cannot run: cannot tell.
+        return False
     # Each side's own spread counts against it: the choice's fastest round must lose to the other's usual one, and
     # the cached fastest round must be slower than the usual one now (noise alone seldom does either).
     flipped = now.seconds[choice] > FLIPPED * now.median[fastest_now]
