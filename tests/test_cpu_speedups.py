@@ -260,6 +260,43 @@ def test_no_packed_copies_without_memory_for_them(process_group, tmp_path, monke
     assert not any({"fp16", "onednn"} & set(m.kernels.values()) for m in layers if m.weight.dtype == torch.bfloat16)
 
 
+@pytest.mark.skipif(
+    not (onednn_bf16_supported() and fbgemm_fp16_supported()), reason="needs oneDNN's bfloat16 and fbgemm's float16"
+)
+def test_where_memory_holds_one_copy_of_the_weights_each_product_runs_on_one(
+    process_group, tmp_path, monkeypatch, caplog
+):
+    """Measured so that the float16 copy is fastest for one row, oneDNN's copy for a batch and a prompt, and
+    `F.linear` on the weights as loaded next: with memory for both copies (twice their size available), each product
+    holds both; with memory for one, each keeps the float16 copy its decode steps run on, and runs the batch and the
+    prompt on `F.linear`."""
+
+    def fake_measure(jobs, flush):
+        found = {}
+        for job in jobs:
+            seconds = {"fp16": 2e-9 if job.rows == 1 else 9e-9, "onednn": 3e-9, "mv": 8e-9, "linear": 4e-9}
+            seconds = {k: seconds[k] for k in job.candidates}
+            found[job.key] = llama.runtime.cpu.Measured(seconds, median=seconds, fp16_copy=1e-12)
+        return found
+
+    patch_cpu(monkeypatch, "measure", lambda jobs, flush, *_: fake_measure(jobs, flush))
+    weights = random_weights(GQA_PARAMS, seed=12)
+    copy_bytes = 2 * sum(w.numel() for w in weights.values())
+    for copies, kernels, packed in [
+        (2, {1: "fp16", 2: "onednn", 256: "onednn"}, {"fp16", "onednn"}),
+        (1, {1: "fp16", 2: "linear", 256: "linear"}, {"fp16"}),
+    ]:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"cache{copies}"))
+        patch_cpu(monkeypatch, "available_memory", lambda: (2 * copies + 1) * copy_bytes)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="llama.runtime.cpu"):
+            model = load_tiny(tmp_path / f"copies{copies}", weights, torch.bfloat16)
+        layers = [m for m in model.modules() if isinstance(m, CPULinear)]
+        assert layers and all(layer.kernels == kernels for layer in layers)
+        assert all(set(copy_holder(model, layer).packed) == packed for layer in layers)
+        assert ("Memory for one copy of the weights only" in caplog.text) == (copies == 1)
+
+
 def test_no_packed_weights_without_their_kernels(process_group, tmp_path, monkeypatch):
     """Without oneDNN's bfloat16 kernels (AVX-512 and later) or fbgemm's float16 ones (x86), a bfloat16 model runs
     on the bfloat16 weights as loaded, and asking for either kernel is a clear error, not a crash at the first

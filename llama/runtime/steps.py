@@ -18,7 +18,7 @@ from llama.runtime.cpu import (
     CPULinear,
     attention_kernel,
     choose_kernels,
-    copies_fit,
+    copies_that_fit,
     fused_product,
     make_weight_copies,
     measuring_alone,
@@ -73,7 +73,7 @@ def for_runtime(
     """
     # What this CPU's kernels can do for the model, asked before its layers change.
     on_cpu_kernels = runs_on_cpu_kernels(model)
-    copies = on_cpu_kernels and copies_fit(model)  # kernels on a second copy of the weights, where memory allows
+    copies = copies_that_fit(model) if on_cpu_kernels else 0  # copies of the weights kernels may run on: 0 to 2
     on_onnx_runtime = runs_on_onnx_runtime(model)
     with measuring_alone():  # loads started together on this machine measure in turn, and choose alike
         # Measured on the threads PyTorch's own operations decode on: one where ONNX Runtime runs the products.
@@ -129,7 +129,7 @@ def replace_layers(model: nn.Module, kind, replacement) -> int:
     return replaced
 
 
-def fuse_products(copies: bool) -> FuseProducts:
+def fuse_products(copies: int) -> FuseProducts:
     """Step 2's fused products: int8-dyn and int4-dyn layers as one ONNX Runtime session (`fused_dyn`); float layers
     on the CPU's kernels as one copy, where `copies` (`fused_product`)."""
 
@@ -159,9 +159,9 @@ def unpack_layers(model: nn.Module) -> None:
     replace_layers(model, InferenceLayer, InferenceLayer.unpack)
 
 
-def choose_cpu_kernels(model: nn.Module, copies: bool, verify_rows: Optional[int] = None) -> None:
-    """Step 3: each product's kernel for each row count that matters (`llama.runtime.cpu.choose_kernels`; kernels on a
-    copy of the weights only where `copies`), then the copies of the weights the chosen kernels run on."""
+def choose_cpu_kernels(model: nn.Module, copies: int, verify_rows: Optional[int] = None) -> None:
+    """Step 3: each product's kernel for each row count that matters (`llama.runtime.cpu.choose_kernels`; on as many
+    copies of the weights as `copies`), then the copies of the weights the chosen kernels run on."""
     counts = row_counts(model.params.max_batch_size, verify_rows)
     for layer, kernels in choose_kernels(model, counts, copies).items():
         layer.kernels = kernels

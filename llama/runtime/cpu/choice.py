@@ -25,7 +25,7 @@ from llama.runtime.cpu.kernels import (
     run_kernel,
     weight_copy,
 )
-from llama.runtime.cpu.layers import CPULinear, product_name, products
+from llama.runtime.cpu.layers import CPULinear, product_name, products, runs_on_a_copy
 from llama.runtime.timing import TIMED_ROUNDS, time_kernels, timed_call
 
 logger = logging.getLogger(__name__)
@@ -211,11 +211,25 @@ def copy_saving(measured: Dict[int, Measured], wins: List[int], max_seq_len: int
     )
 
 
-def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> Dict[CPULinear, Dict[int, str]]:
+def on_one_copy(measured: Dict[int, Measured], chosen: Dict[int, str], dtype: torch.dtype) -> Dict[int, str]:
+    """`chosen` (row count -> kernel) with its product on one copy of its weights at most: where it would run on
+    both the float16 copy and oneDNN's, it keeps the copy of the fewest rows' kernel (a decode step's, as a rule)
+    and the row counts that ran on the other take their fastest kernel but that one."""
+    on_copies = [chosen[rows] for rows in sorted(chosen) if runs_on_a_copy(chosen[rows], dtype)]
+    if len(set(on_copies)) < 2:
+        return chosen
+    left_out = next(kernel for kernel in on_copies if kernel != on_copies[0])
+    return {
+        rows: measured[rows].fastest(leave_out=left_out) if kernel == left_out else kernel
+        for rows, kernel in chosen.items()
+    }
+
+
+def choose_kernels(model: nn.Module, counts: List[int], copies: int) -> Dict[CPULinear, Dict[int, str]]:
     """Each `CPULinear`'s kernels for `counts` rows (row count -> kernel): pinned by `LLAMA_CPU_KERNEL` (where that
     kernel can run the product: else `F.linear`), or chosen by `kernels_for` from what measuring
     `candidate_kernels` found, from the cache or measured here (all products at once: `measure`), once per product
-    name; each choice is logged."""
+    name, on as many copies of its weights as `copies` (`copies_that_fit`); each choice is logged."""
     pinned = pinned_kernel()
     cache = KernelCache()
     settled = cache.used_in_this_process()  # chosen by an earlier load of this process: not re-checked
@@ -230,7 +244,7 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> Dict[CP
             fp16_holds = all(holds_bfloat16_values(layer.weight) for layer in layers)
             chosen[name] = {}
             for rows in counts:
-                candidates = candidate_kernels(layers[0].weight.dtype, rows, fp16_holds, copies)
+                candidates = candidate_kernels(layers[0].weight.dtype, rows, fp16_holds, copies > 0)
                 key = cache.key(name, rows, candidates)
                 if pinned is not None:
                     kernel = pinned if pinned in candidates else "linear"
@@ -261,7 +275,15 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: bool) -> Dict[CP
         measured[job.name, job.rows] = cache.get(key), "as rank 0 measured"
     for name, layers in by_name.items():
         timings = {rows: m for (product, rows), (m, _) in measured.items() if product == name}
-        for rows, kernel in kernels_for(timings, model.params.max_seq_len).items():
+        fastest = kernels_for(timings, model.params.max_seq_len)
+        if copies < 2 and (one := on_one_copy(timings, fastest, layers[0].weight.dtype)) != fastest:
+            logger.info(
+                "Memory for one copy of the weights only: %s runs on its %s copy alone",
+                name,
+                next(k for k in one.values() if runs_on_a_copy(k, layers[0].weight.dtype)),
+            )
+            fastest = one
+        for rows, kernel in fastest.items():
             m, how = measured[name, rows]
             figures = ", ".join(f"{k} {t * 1e9:.3g}" for k, t in m.median.items())
             chosen[name][rows] = kernel, f"{how}: {figures} ms per million weights"
@@ -360,8 +382,9 @@ def runs_on_cpu_kernels(model: nn.Module) -> bool:
     return onednn_supported(weight.device) and weight.dtype in (torch.float32, torch.bfloat16)
 
 
-def copies_fit(model: nn.Module) -> bool:
-    """Whether kernels that run on a second copy of the weights (float16 for fbgemm, oneDNN's blocked layout; 2 bytes
-    a weight) may be candidates: when that copy fits in half the memory the system has available now."""
-    copy_bytes = sum(p.numel() * 2 for p in model.parameters())
-    return 2 * copy_bytes <= available_memory()
+def copies_that_fit(model: nn.Module) -> int:
+    """How many copies of the weights the kernels may run on (fbgemm's float16 one, oneDNN's blocked layout; 2 bytes
+    a weight each): as many as fit together in half the memory the system has available now, 0, 1 or 2. With none,
+    no kernel that runs on a copy is a candidate; with one, each product runs on one copy at most (`on_one_copy`)."""
+    copy_bytes = max(1, sum(p.numel() * 2 for p in model.parameters()))
+    return min(2, available_memory() // (2 * copy_bytes))
