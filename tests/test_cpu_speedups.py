@@ -268,8 +268,8 @@ def test_where_memory_holds_one_copy_of_the_weights_each_product_runs_on_one(
 ):
     """Measured so that the float16 copy is fastest for one row, oneDNN's copy for a batch and a prompt, and
     `F.linear` on the weights as loaded next: with memory for both copies (twice their size available), each product
-    holds both; with memory for one, each keeps the float16 copy its decode steps run on, and runs the batch and the
-    prompt on `F.linear`."""
+    holds both; with memory for one (or for two, shared by two ranks of one job on this machine), each keeps the
+    float16 copy its decode steps run on, and runs the batch and the prompt on `F.linear`."""
 
     def fake_measure(jobs, flush):
         found = {}
@@ -282,19 +282,20 @@ def test_where_memory_holds_one_copy_of_the_weights_each_product_runs_on_one(
     patch_cpu(monkeypatch, "measure", lambda jobs, flush, *_: fake_measure(jobs, flush))
     weights = random_weights(GQA_PARAMS, seed=12)
     copy_bytes = 2 * sum(w.numel() for w in weights.values())
-    for copies, kernels, packed in [
-        (2, {1: "fp16", 2: "onednn", 256: "onednn"}, {"fp16", "onednn"}),
-        (1, {1: "fp16", 2: "linear", 256: "linear"}, {"fp16"}),
-    ]:
-        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"cache{copies}"))
+    both = ({1: "fp16", 2: "onednn", 256: "onednn"}, {"fp16", "onednn"})
+    one = ({1: "fp16", 2: "linear", 256: "linear"}, {"fp16"})
+    # Room for two copies (for one process, or for each of two ranks on this machine), then for one.
+    for copies, local_ranks, (kernels, packed) in [(2, "1", both), (2, "2", one), (1, "1", one)]:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"cache{copies}{local_ranks}"))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
         patch_cpu(monkeypatch, "available_memory", lambda: (2 * copies + 1) * copy_bytes)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="llama.runtime.cpu"):
-            model = load_tiny(tmp_path / f"copies{copies}", weights, torch.bfloat16)
+            model = load_tiny(tmp_path / f"copies{copies}{local_ranks}", weights, torch.bfloat16)
         layers = [m for m in model.modules() if isinstance(m, CPULinear)]
         assert layers and all(layer.kernels == kernels for layer in layers)
         assert all(set(copy_holder(model, layer).packed) == packed for layer in layers)
-        assert ("Memory for one copy of the weights only" in caplog.text) == (copies == 1)
+        assert ("Memory for one copy of the weights only" in caplog.text) == (packed == one[1])
 
 
 def test_no_packed_weights_without_their_kernels(process_group, tmp_path, monkeypatch):

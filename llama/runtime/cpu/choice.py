@@ -3,6 +3,7 @@
 
 import dataclasses
 import logging
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -384,7 +385,10 @@ def runs_on_cpu_kernels(model: nn.Module) -> bool:
 
 def copies_that_fit(model: nn.Module) -> int:
     """How many copies of the weights the kernels may run on (fbgemm's float16 one, oneDNN's blocked layout; 2 bytes
-    a weight each): as many as fit together in half the memory the system has available now, 0, 1 or 2. With none,
-    no kernel that runs on a copy is a candidate; with one, each product runs on one copy at most (`on_one_copy`)."""
+    a weight each): as many as fit together in this process's share of half the memory the system has available
+    now, 0, 1 or 2. With none, no kernel that runs on a copy is a candidate; with one, each product runs on one copy
+    at most (`on_one_copy`). The ranks of one job on this machine (torchrun's `LOCAL_WORLD_SIZE`) share it."""
     copy_bytes = max(1, sum(p.numel() * 2 for p in model.parameters()))
-    return min(2, available_memory() // (2 * copy_bytes))
+    local_ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    sharing = int(local_ranks) if local_ranks.isdigit() and int(local_ranks) > 0 else 1
+    return min(2, available_memory() // (2 * copy_bytes * sharing))
