@@ -217,10 +217,18 @@ def forget_file_pages(paths: Iterable[Path]) -> None:
         madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
+def ranks_on_this_machine() -> int:
+    """How many processes of this job run on this machine (torchrun's LOCAL_WORLD_SIZE; 1 without it): they share
+    its memory."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
 def free_memory(device: torch.device) -> Optional[int]:
-    """Bytes that can still be allocated on `device`, or None where that is not known."""
+    """Bytes this process can still allocate on `device`, or None where that is not known: on a GPU what it has
+    free, on the CPU this process's share of what the system has available (`ranks_on_this_machine`)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type == "cpu":
-        return available_memory() or None
+        return available_memory() // ranks_on_this_machine() or None
     return None

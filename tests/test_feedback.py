@@ -75,6 +75,18 @@ def test_compiling_is_announced_once_per_batch_size_and_left_out_of_the_speed(ca
     assert stopwatch.speed(10).seconds < 0.3  # the two compiles' seconds are not counted
 
 
+def test_ranks_on_one_machine_share_its_memory_for_their_kv_caches(monkeypatch):
+    """A KV cache that fits in the memory the machine has available does not fit in the share of each of two ranks
+    of one job there (torchrun's LOCAL_WORLD_SIZE)."""
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=512, max_batch_size=4)
+    cache_bytes = 2 * 2 * 4 * 512 * 4 * 16 * 4  # keys and values, layers, rows, positions, kv heads, head dim, float32
+    monkeypatch.setattr("llama.distributed.available_memory", lambda: 3 * cache_bytes // 2)
+    check_kv_cache_fits(args, 1, torch.device("cpu"), torch.float32)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="lower max_batch_size or max_seq_len"):
+        check_kv_cache_fits(args, 1, torch.device("cpu"), torch.float32)
+
+
 def test_the_kv_cache_message_names_each_setting_once(monkeypatch, capsys):
     monkeypatch.setattr("llama.checkpoint.load.free_memory", lambda device: 1024)
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=512, max_batch_size=4)

@@ -3,7 +3,6 @@
 
 import dataclasses
 import logging
-import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +12,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from llama.distributed import available_memory
+from llama.distributed import available_memory, ranks_on_this_machine
 from llama.runtime.cpu.cache import KernelCache, Measured, last_level_cache_bytes
 from llama.runtime.cpu.kernels import (
     KERNEL_VARIABLE,
@@ -389,6 +388,4 @@ def copies_that_fit(model: nn.Module) -> int:
     now, 0, 1 or 2. With none, no kernel that runs on a copy is a candidate; with one, each product runs on one copy
     at most (`on_one_copy`). The ranks of one job on this machine (torchrun's `LOCAL_WORLD_SIZE`) share it."""
     copy_bytes = max(1, sum(p.numel() * 2 for p in model.parameters()))
-    local_ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    sharing = int(local_ranks) if local_ranks.isdigit() and int(local_ranks) > 0 else 1
-    return min(2, available_memory() // (2 * copy_bytes * sharing))
+    return min(2, available_memory() // ranks_on_this_machine() // (2 * copy_bytes))
