@@ -22,7 +22,7 @@ import llama.runtime.cpu.choice
 from llama import Llama
 from llama.runtime import quantized_kernels
 from llama.runtime.cpu import CPULinear
-from llama.runtime.quantized import Int8Linear
+from llama.runtime.quantized import Int4Linear, Int8Linear
 
 PROMPTS = ["The best way to", "日本の首都は", "Once upon a time, in a land"]
 DIALOGS = [
@@ -34,13 +34,18 @@ MAX_GEN = 16
 
 def rounding_by_row_count(generator: Llama) -> None:
     """Run one row on other kernels than many rows: `torch.mv` against `F.linear` for the float layers, PyTorch's int8
-    kernel against the widened weight for int8 ones. Both sum in other orders, as kernels chosen per row count by
-    timing do, so that a position computed alone rounds otherwise than inside a prompt."""
+    kernel against the widened weight for int8 ones, its int4 kernel against the weight widened to float32 for int4
+    ones (where the layer has that product). They sum in other orders, as kernels chosen per row count by timing do,
+    so that a position computed alone rounds otherwise than inside a prompt; and every count of several rows runs
+    one kernel, as timings on a busy machine would not: a call with logprobs (every position through the last layer)
+    and one without (the last position of each row) then round their last positions alike."""
     for layer in generator.model.modules():
         if isinstance(layer, CPULinear):
             layer.kernels = {1: "mv", 256: "linear"}
         elif isinstance(layer, Int8Linear):
             layer.kernels = {1: "int8", 256: "widened"}
+        elif isinstance(layer, Int4Linear):
+            layer.kernels = {1: "tinygemm", 256: "widened32" if "widened32" in layer.products(256) else "tinygemm"}
 
 
 def tiny_generator(checkpoint, tokenizer_path, dtype, quantize) -> Llama:
