@@ -217,6 +217,11 @@ def forget_file_pages(paths: Iterable[Path]) -> None:
         madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
+def several_processes() -> bool:
+    """Whether this process is one rank of several in a process group (torchrun, model parallelism)."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def ranks_on_this_machine() -> int:
     """How many processes of this job run on this machine (torchrun's LOCAL_WORLD_SIZE; 1 without it): they share
     its memory."""

@@ -250,7 +250,7 @@ def test_parallel_layers_compute_what_fairscale_layers_do(process_group, tmp_pat
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_no_packed_copies_without_memory_for_them(process_group, tmp_path, monkeypatch, dtype):
     """A second copy of the weights is made only when the system has twice its size available."""
-    patch_cpu(monkeypatch, "available_memory", lambda: 0)
+    monkeypatch.setattr("llama.distributed.available_memory", lambda: 0)
     model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=15), dtype)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(7))
     incremental_logits(model, tokens, [6, 1, 1])
@@ -288,7 +288,7 @@ def test_where_memory_holds_one_copy_of_the_weights_each_product_runs_on_one(
     for copies, local_ranks, (kernels, packed) in [(2, "1", both), (2, "2", one), (1, "1", one)]:
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"cache{copies}{local_ranks}"))
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
-        patch_cpu(monkeypatch, "available_memory", lambda: (2 * copies + 1) * copy_bytes)
+        monkeypatch.setattr("llama.distributed.available_memory", lambda: (2 * copies + 1) * copy_bytes)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="llama.runtime.cpu"):
             model = load_tiny(tmp_path / f"copies{copies}{local_ranks}", weights, torch.bfloat16)

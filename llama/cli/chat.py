@@ -19,6 +19,7 @@ import torch.distributed as dist
 from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.cli.chat_input import BLOCK, CONTINUED, LineEditor, closest_command, load_dialog, read_message, save_dialog
 from llama.decoding.speed import Stopwatch
+from llama.distributed import several_processes
 from llama.generation import Llama
 from llama.tokenizer import Message
 
@@ -37,10 +38,6 @@ COMMANDS = {
 }
 ENDED_BY_CTRL_C = "[Ctrl-C under torchrun: torchrun stops every process, so the chat ends here]"
 CTRL_C = "\x03"  # what rank 0 hands the other ranks when Ctrl-C ends the chat at the prompt
-
-
-def several_processes() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 @contextmanager

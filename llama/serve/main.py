@@ -91,6 +91,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
     import torch.distributed as dist
     import uvicorn
 
+    from llama.distributed import several_processes
     from llama.runtime.compiled import is_compiled
     from llama.serve.app import Service, create_app
     from llama.serve.engine import Engine
@@ -98,7 +99,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
 
     with user_errors(vars(args)):
         generator = build_from_flags(args)
-    channel = PlanChannel() if dist.is_initialized() and dist.get_world_size() > 1 else None
+    channel = PlanChannel() if several_processes() else None
     decode_step = generator.decode_step  # compiled, or CUDA graphs; None: the eager step
     if channel is not None and dist.get_rank() > 0:
         follow_plans(generator.model, decode_step, channel)

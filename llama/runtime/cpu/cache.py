@@ -16,6 +16,7 @@ from typing import Dict, Iterator, List, Optional, Set
 import torch
 import torch.distributed as dist
 
+from llama.distributed import several_processes
 from llama.runtime.cpu.kernels import ATTENTION_KERNELS, KERNELS
 from llama.runtime.quantized import QUANTIZED_PRODUCTS
 
@@ -113,11 +114,6 @@ def cache_folder() -> Path:
     return Path(root) / "llama3"
 
 
-def ranks_of_one_job() -> bool:
-    """Whether this process is one rank of several in a process group (torchrun, model parallelism)."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 @contextlib.contextmanager
 def measuring_alone() -> Iterator[None]:
     """Hold this machine's kernel-measuring lock (a lock file beside the `KernelCache` file) for the block: a
@@ -127,7 +123,7 @@ def measuring_alone() -> Iterator[None]:
     (`KernelCache.agree`). Where the folder cannot be written or locked (or after `LOCK_WAIT`), the block runs
     without the lock."""
     lock = None
-    if fcntl is not None and not ranks_of_one_job():
+    if fcntl is not None and not several_processes():
         lock = locked_file(cache_folder() / "kernels.lock")
     try:
         yield
@@ -265,7 +261,7 @@ class KernelCache:
         entries changed here. Each rank's timings differ a little; were each to choose from its own, the ranks of a
         first load could run other kernels than the ones the file keeps for later loads. A rank on another kind of
         machine (another node) has keys of its own, and keeps its entries."""
-        if not ranks_of_one_job():
+        if not several_processes():
             return set()
         shared = [{key: self.entries.get(key) for key in sorted(keys)}]
         dist.broadcast_object_list(shared, src=0)

@@ -12,7 +12,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from llama.distributed import available_memory, ranks_on_this_machine
+from llama.distributed import free_memory
 from llama.runtime.cpu.cache import KernelCache, Measured, last_level_cache_bytes
 from llama.runtime.cpu.kernels import (
     KERNEL_VARIABLE,
@@ -388,4 +388,4 @@ def copies_that_fit(model: nn.Module) -> int:
     now, 0, 1 or 2. With none, no kernel that runs on a copy is a candidate; with one, each product runs on one copy
     at most (`on_one_copy`). The ranks of one job on this machine (torchrun's `LOCAL_WORLD_SIZE`) share it."""
     copy_bytes = max(1, sum(p.numel() * 2 for p in model.parameters()))
-    return min(2, available_memory() // ranks_on_this_machine() // (2 * copy_bytes))
+    return min(2, (free_memory(torch.device("cpu")) or 0) // (2 * copy_bytes))
