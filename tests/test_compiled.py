@@ -164,3 +164,27 @@ def test_a_one_token_prompt_goes_to_the_compiled_step_first(tiny_checkpoint, tok
     generator.decoder.decode_step = None  # back to the eager path
     eager, _ = generator.generate([[128000]], 6, temperature=0)
     assert compiled == eager and len(compiled[0]) == 6
+
+
+@pytest.mark.slow
+def test_compiled_int8_step_on_the_cpu_multiplies_weights_frozen_into_it(process_group, tmp_path):
+    """On the CPU an int8 model's step compiles to one graph with its weights frozen into it (inductor's C++ GEMM
+    template multiplies its own packed copy of each int8 weight): in float32 its logits are the eager step's up to
+    the order of the sums, and a weight edited in place afterwards changes the eager step's logits but not the
+    compiled step's (docs/speed.md)."""
+    from llama.runtime import quantize_model
+
+    model = quantize_model(load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=17), torch.float32), "int8")
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(9))
+    expected = static_steps(model.decode_step, model, tokens, prompt_len=6)
+    counters.clear()
+    step = compiled_decode_step(model)
+    got = static_steps(step, model, tokens, prompt_len=6)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert expected.abs().max() > 1
+    assert (got - expected).abs().max() < ATOL
+    with torch.no_grad():
+        model.output.weight.neg_()
+    edited = static_steps(model.decode_step, model, tokens, prompt_len=6)
+    assert (edited - expected).abs().max() > 1
+    assert (static_steps(step, model, tokens, prompt_len=6)[:, 1:] - got[:, 1:]).abs().max() < ATOL  # [:, 0]: forward

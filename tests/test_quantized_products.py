@@ -162,7 +162,7 @@ def test_the_cpu_widens_int4_prompts_in_blocks_to_the_same_product(process_group
     x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(9))
     weight = dequantize(nibbles, scales, zeros)
     expected = x @ weight.t()
-    for product in (layer.widened32_product, layer.widened_product, layer.int4_product):  # float32 activations
+    for product in (layer.widened32_product, layer.widened_product, layer.tinygemm_product):  # float32 activations
         torch.testing.assert_close(product(x), expected, atol=1e-4, rtol=1e-4)
     assert layer.widened32_product(x.bfloat16()).dtype == torch.bfloat16
     # In bfloat16, "widened" multiplies the dequantized weight rounded once to bfloat16.

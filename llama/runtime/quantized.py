@@ -99,7 +99,9 @@ class QuantizedLinear(MeasuredLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return self.products(0)[self.default_kernel()](x)
+            # The default product, found by its name, not through `products`: the CPU's checks of what its kernels
+            # offer there are calls torch.compile cannot trace, and the step would fall apart at every layer.
+            return getattr(self, f"{self.default_kernel()}_product")(x)
         rows = x.numel() // x.shape[-1]
         return self.products(rows)[self.kernel_for(rows)](x)
 
@@ -269,7 +271,7 @@ class Int4Linear(QuantizedLinear):
         self.out_features, self.in_features = nibbles.shape[0], nibbles.shape[1] * 2  # this process's slice
 
     def products(self, rows: int) -> dict:
-        products = {"tinygemm": self.int4_product}
+        products = {"tinygemm": self.tinygemm_product}
         if hasattr(self, "nibbles"):
             products["dequantized"] = self.dequantized_product
         block_rows = cpu_int4_block_rows() if self.weight.device.type == "cpu" else None
@@ -284,7 +286,7 @@ class Int4Linear(QuantizedLinear):
     def activation_dtype(self) -> torch.dtype:
         return self.scales_and_zeros.dtype
 
-    def int4_product(self, x: torch.Tensor) -> torch.Tensor:
+    def tinygemm_product(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
             return int4_cpu_product(x, self.weight, self.scales_and_zeros, self.group_size)
         rows, scales_and_zeros = x.reshape(-1, x.shape[-1]), self.scales_and_zeros.to(x.dtype)

@@ -29,7 +29,7 @@ from llama.runtime.cuda_graphs import CUDAGraphDecodeStep
 from llama.runtime.onnx_dyn import GROUP_SIZE as DYN_GROUP_SIZE
 from llama.runtime.onnx_dyn import fused_dyn, make_sessions, one_torch_thread, runs_on_onnx_runtime
 from llama.runtime.parallel_layers import InferenceLayer, ParallelEmbedding, ParallelLinear, kernels_in_use
-from llama.runtime.quantized import is_quantized
+from llama.runtime.quantized import Int8Linear, is_quantized
 from llama.runtime.quantized_kernels import choose_quantized_kernels
 from llama.runtime.schemes import quantize_layer, quantize_named_layer
 from llama.runtime.transformer import DecodeStep, FuseProducts, RuntimeTransformer
@@ -207,6 +207,13 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
     return model
 
 
+# On the CPU, a step with int8 weights is compiled with its weights frozen into it, as constants: inductor then
+# multiplies each int8 weight by its C++ GEMM template, from a blocked copy it packs as it compiles, at about
+# 1.5 times the speed of PyTorch's int8 kernel on one row (docs/speed.md). Only the template is a candidate for
+# those products, so that no timing chooses between kernels that sum in other orders.
+FROZEN_INT8_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+
+
 def compiled_step(model: RuntimeTransformer) -> DecodeStep:
     """Step 6 with `compile`: `compiled_decode_step`, announced as it compiles (`AnnouncedCompiles`). For
     `Llama.build(compile=True)` and `Llama.compile_decode_step`."""
@@ -230,6 +237,9 @@ def compiled_decode_step(model: RuntimeTransformer) -> DecodeStep:
         # more to compile) brings it to the memory's speed, and lets an int8 weight be widened inside the product.
         "coordinate_descent_tuning": on_cuda,
     }
+    frozen = not on_cuda and any(isinstance(layer, Int8Linear) for layer in model.modules())
+    if frozen:
+        options.update(FROZEN_INT8_OPTIONS)
     # Compiled without the inference mode that decode_step enters, which torch.compile cannot trace in a graph
     # of inference tensors with views (pytorch/pytorch#180823), and run inside it.
     step = torch.compile(
@@ -237,7 +247,10 @@ def compiled_decode_step(model: RuntimeTransformer) -> DecodeStep:
     )
 
     def decode_step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
+        # Frozen weights are taken as the graph's constants as torch.compile traces the step, before the options
+        # above apply: the tracer is told so itself.
+        freezing = torch._dynamo.config.patch(prepare_freezing=True) if frozen else contextlib.nullcontext()
+        with torch.inference_mode(), freezing:
             # A column of the batch's token table has its row stride, which changes with the table's length and
             # would compile the step again for each (contiguous() keeps it for one row); a copy's strides do not.
             return step(tokens.clone(memory_format=torch.contiguous_format), position)
