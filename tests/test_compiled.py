@@ -167,11 +167,11 @@ def test_a_one_token_prompt_goes_to_the_compiled_step_first(tiny_checkpoint, tok
 
 
 @pytest.mark.slow
-def test_compiled_int8_step_on_the_cpu_multiplies_weights_frozen_into_it(process_group, tmp_path):
-    """On the CPU an int8 model's step compiles to one graph with its weights frozen into it (inductor's C++ GEMM
-    template multiplies its own packed copy of each int8 weight): in float32 its logits are the eager step's up to
-    the order of the sums, and a weight edited in place afterwards changes the eager step's logits but not the
-    compiled step's (docs/speed.md)."""
+def test_compiled_int8_step_of_one_sequence_on_the_cpu_multiplies_weights_frozen_into_it(process_group, tmp_path):
+    """On the CPU an int8 model's step of one sequence compiles to one graph with its weights frozen into it
+    (inductor's C++ GEMM template multiplies its own packed copy of each int8 weight); a batch's step is compiled
+    on the weights as they are. In float32 both give the eager step's logits up to the order of the sums; a weight
+    edited in place afterwards changes the batch's logits but not the one sequence's (docs/speed.md)."""
     from llama.runtime import quantize_model
 
     model = quantize_model(load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=17), torch.float32), "int8")
@@ -179,12 +179,14 @@ def test_compiled_int8_step_on_the_cpu_multiplies_weights_frozen_into_it(process
     expected = static_steps(model.decode_step, model, tokens, prompt_len=6)
     counters.clear()
     step = compiled_decode_step(model)
-    got = static_steps(step, model, tokens, prompt_len=6)
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    one_row, batch = (static_steps(step, model, rows, prompt_len=6) for rows in (tokens[:1], tokens))
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]  # one per batch size
     assert expected.abs().max() > 1
-    assert (got - expected).abs().max() < ATOL
+    assert (one_row - expected[:1]).abs().max() < ATOL and (batch - expected).abs().max() < ATOL
     with torch.no_grad():
         model.output.weight.neg_()
     edited = static_steps(model.decode_step, model, tokens, prompt_len=6)
     assert (edited - expected).abs().max() > 1
-    assert (static_steps(step, model, tokens, prompt_len=6)[:, 1:] - got[:, 1:]).abs().max() < ATOL  # [:, 0]: forward
+    assert (static_steps(step, model, tokens, prompt_len=6) - edited).abs().max() < ATOL
+    frozen = static_steps(step, model, tokens[:1], prompt_len=6)
+    assert (frozen[:, 1:] - one_row[:, 1:]).abs().max() < ATOL  # [:, 0] comes from forward, on the edited weight

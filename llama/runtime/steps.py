@@ -207,10 +207,11 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
     return model
 
 
-# On the CPU, a step with int8 weights is compiled with its weights frozen into it, as constants: inductor then
-# multiplies each int8 weight by its C++ GEMM template, from a blocked copy it packs as it compiles, at about
-# 1.5 times the speed of PyTorch's int8 kernel on one row (docs/speed.md). Only the template is a candidate for
-# those products, so that no timing chooses between kernels that sum in other orders.
+# On the CPU, the step of one sequence with int8 weights is compiled with its weights frozen into it, as constants:
+# inductor then multiplies each int8 weight by its C++ GEMM template, from a blocked copy it packs as it compiles,
+# 1.5 to 2 times as fast as PyTorch's int8 kernel on one row (docs/speed.md). Only the template is a candidate for
+# those products, so that no timing chooses between kernels that sum in other orders. Other batch sizes are not
+# frozen: each frozen graph holds a copy of the weights of its own, and on 8 rows the template was slower.
 FROZEN_INT8_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
@@ -237,22 +238,29 @@ def compiled_decode_step(model: RuntimeTransformer) -> DecodeStep:
         # more to compile) brings it to the memory's speed, and lets an int8 weight be widened inside the product.
         "coordinate_descent_tuning": on_cuda,
     }
-    frozen = not on_cuda and any(isinstance(layer, Int8Linear) for layer in model.modules())
-    if frozen:
-        options.update(FROZEN_INT8_OPTIONS)
     # Compiled without the inference mode that decode_step enters, which torch.compile cannot trace in a graph
     # of inference tensors with views (pytorch/pytorch#180823), and run inside it.
     step = torch.compile(
         functools.partial(RuntimeTransformer.decode_step.__wrapped__, model), dynamic=False, options=options
     )
+    one_row_step = step
+    if not on_cuda and any(isinstance(layer, Int8Linear) for layer in model.modules()):
+        one_row_step = torch.compile(
+            functools.partial(RuntimeTransformer.decode_step.__wrapped__, model),
+            dynamic=False,
+            options={**options, **FROZEN_INT8_OPTIONS},
+        )
 
     def decode_step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        # Frozen weights are taken as the graph's constants as torch.compile traces the step, before the options
-        # above apply: the tracer is told so itself.
-        freezing = torch._dynamo.config.patch(prepare_freezing=True) if frozen else contextlib.nullcontext()
-        with torch.inference_mode(), freezing:
+        with torch.inference_mode():
             # A column of the batch's token table has its row stride, which changes with the table's length and
             # would compile the step again for each (contiguous() keeps it for one row); a copy's strides do not.
-            return step(tokens.clone(memory_format=torch.contiguous_format), position)
+            tokens = tokens.clone(memory_format=torch.contiguous_format)
+            if tokens.shape[0] > 1 or one_row_step is step:
+                return step(tokens, position)
+            # Frozen weights are taken as the graph's constants as torch.compile traces the step, before the
+            # options above apply: the tracer is told so itself.
+            with torch._dynamo.config.patch(prepare_freezing=True):
+                return one_row_step(tokens, position)
 
     return decode_step
