@@ -215,6 +215,8 @@ class Llama:
         One compiled graph serves every position, prompt and output length (on CUDA, replayed as a CUDA graph); the
         first call of each batch size compiles it, and prompts still run through `Transformer.forward`. The same
         math summed in another order: float32 keeps the eager path's tokens, bfloat16 may break near ties otherwise.
+        On the CPU, an int8 model's step of one sequence holds its weights frozen in (a copy of its own, faster to
+        multiply): a weight edited in place afterwards is not seen by it (docs/speed.md).
         """
         self.decoder.decode_step = compiled_step(self.model)
 
