@@ -75,7 +75,8 @@ class QuantizedLinear(MeasuredLinear):
     """A linear layer with quantized weights, with one or more ways to compute its product (`products`).
 
     The runtime measures them at load (`llama.runtime.quantized_kernels`) and sets `kernels` (`MeasuredLinear`).
-    Unmeasured, and inside a compiled step (where torch.compile fuses it), each runs its device's default."""
+    Unmeasured, and inside a compiled step (where torch.compile fuses it), each runs its device's default. The
+    product named "x" is the method `x_product`."""
 
     CPU_DEFAULT = GPU_DEFAULT = ""
 

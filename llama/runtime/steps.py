@@ -209,9 +209,9 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
 
 # On the CPU, the step of one sequence with int8 weights is compiled with its weights frozen into it, as constants:
 # inductor then multiplies each int8 weight by its C++ GEMM template, from a blocked copy it packs as it compiles,
-# 1.5 to 2 times as fast as PyTorch's int8 kernel on one row (docs/speed.md). Only the template is a candidate for
-# those products, so that no timing chooses between kernels that sum in other orders. Other batch sizes are not
-# frozen: each frozen graph holds a copy of the weights of its own, and on 8 rows the template was slower.
+# which reads one row's weights faster than PyTorch's int8 kernel (docs/speed.md has the figures). Only the template
+# is a candidate for those products, so that no timing chooses between kernels that sum in other orders. Other batch
+# sizes are not frozen: each frozen graph holds a copy of the weights of its own, and on 8 rows it was slower.
 FROZEN_INT8_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
 
 
