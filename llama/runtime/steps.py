@@ -240,27 +240,22 @@ def compiled_decode_step(model: RuntimeTransformer) -> DecodeStep:
     }
     # Compiled without the inference mode that decode_step enters, which torch.compile cannot trace in a graph
     # of inference tensors with views (pytorch/pytorch#180823), and run inside it.
-    step = torch.compile(
-        functools.partial(RuntimeTransformer.decode_step.__wrapped__, model), dynamic=False, options=options
-    )
-    one_row_step = step
+    uncompiled = functools.partial(RuntimeTransformer.decode_step.__wrapped__, model)
+    step = torch.compile(uncompiled, dynamic=False, options=options)
+    frozen_step = None  # one sequence's step, on int8 weights frozen into it
     if not on_cuda and any(isinstance(layer, Int8Linear) for layer in model.modules()):
-        one_row_step = torch.compile(
-            functools.partial(RuntimeTransformer.decode_step.__wrapped__, model),
-            dynamic=False,
-            options={**options, **FROZEN_INT8_OPTIONS},
-        )
+        frozen_step = torch.compile(uncompiled, dynamic=False, options={**options, **FROZEN_INT8_OPTIONS})
 
     def decode_step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             # A column of the batch's token table has its row stride, which changes with the table's length and
             # would compile the step again for each (contiguous() keeps it for one row); a copy's strides do not.
             tokens = tokens.clone(memory_format=torch.contiguous_format)
-            if tokens.shape[0] > 1 or one_row_step is step:
+            if frozen_step is None or tokens.shape[0] > 1:
                 return step(tokens, position)
             # Frozen weights are taken as the graph's constants as torch.compile traces the step, before the
             # options above apply: the tracer is told so itself.
             with torch._dynamo.config.patch(prepare_freezing=True):
-                return one_row_step(tokens, position)
+                return frozen_step(tokens, position)
 
     return decode_step
