@@ -2,12 +2,14 @@
 path on CUDA against the CPU's, on tiny random weights.
 """
 
+import functools
 import logging
 import re
 import time
 
 import pytest
 import torch
+from fairscale.nn.model_parallel.layers import ColumnParallelLinear
 from helpers import ATOL, GQA_PARAMS, load_tiny, smollm2_gguf
 from torch._dynamo.utils import counters
 
@@ -15,7 +17,8 @@ from llama.checkpoint import load_model, model_args_from, open_checkpoint, rando
 from llama.model import Transformer
 from llama.runtime.compiled import is_compiled
 from llama.runtime.parallel_layers import ParallelLinear
-from llama.runtime.steps import compiled_decode_step, unpack_layers
+from llama.runtime.quantized import quantize_layer
+from llama.runtime.steps import FROZEN_INT8_OPTIONS, compiled_decode_step, unpack_layers, with_code_of_its_own
 
 
 def static_steps(step, model: Transformer, tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -190,6 +193,40 @@ def test_compiled_int8_step_of_one_sequence_on_the_cpu_multiplies_weights_frozen
     assert (static_steps(step, model, tokens, prompt_len=6) - edited).abs().max() < ATOL
     frozen = static_steps(step, model, tokens[:1], prompt_len=6)
     assert (frozen[:, 1:] - one_row[:, 1:]).abs().max() < ATOL  # [:, 0] comes from forward, on the edited weight
+
+
+def test_two_int8_models_of_one_shape_compiled_one_after_the_other_each_decode_on_their_own_weights(
+    process_group, tmp_path
+):
+    """Two int8 models of the same shape with different weights (a base model and its fine-tune), each compiled with
+    its weights frozen into its step: the second must decode on its own weights, not on the first one's packed copy,
+    which inductor's graph cache would hand it for a graph of the same shapes (docs/speed.md)."""
+    from llama.runtime import quantize_model
+
+    tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(3))
+    for seed in (21, 22):
+        model = quantize_model(
+            load_tiny(tmp_path / str(seed), random_weights(GQA_PARAMS, seed=seed), torch.float32), "int8"
+        )
+        expected = static_steps(model.decode_step, model, tokens, prompt_len=4)
+        compiled = static_steps(compiled_decode_step(model), model, tokens, prompt_len=4)
+        assert (compiled - expected).abs().max() < ATOL, f"the model of seed {seed}"
+
+
+def test_a_frozen_int8_product_compiled_again_for_another_weight_of_its_shape_multiplies_by_that_weight(process_group):
+    """inductor's graph cache keys a graph with frozen weights on their shapes, and keeps the copies it packed from
+    them: a second weight of the same shape, compiled in this process or a later one, must not be served the first
+    one's (a real model's step would reach that cache; the tiny test models' steps hold oneDNN tensors it skips)."""
+    x = torch.randn(1, 512, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    for seed in (31, 32):
+        layer = ColumnParallelLinear(512, 256, bias=False, gather_output=False, init_method=lambda w: w)
+        layer.weight.data.copy_(torch.randn(256, 512, generator=torch.Generator().manual_seed(seed)))
+        layer = quantize_layer(layer.to(torch.bfloat16), "int8")
+        frozen = functools.partial(with_code_of_its_own(type(layer).forward), layer)
+        with torch.inference_mode(), torch._dynamo.config.patch(prepare_freezing=True):
+            expected = layer(x).float()
+            got = torch.compile(frozen, dynamic=False, options=FROZEN_INT8_OPTIONS)(x).float()
+        assert (got - expected).abs().max() < 0.01 * expected.abs().max(), f"the weight of seed {seed}"
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@ steps, in order. Nothing else in the package replaces a model's layers or sets a
 import contextlib
 import functools
 import logging
-from typing import Optional, Tuple
+import types
+from typing import Callable, Optional, Tuple
 
 import torch
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -212,7 +213,22 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
 # which reads one row's weights faster than PyTorch's int8 kernel (docs/speed.md has the figures). Only the template
 # is a candidate for those products, so that no timing chooses between kernels that sum in other orders. Other batch
 # sizes are not frozen: each frozen graph holds a copy of the weights of its own, and on 8 rows it was slower.
-FROZEN_INT8_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+# Not through inductor's graph cache: it keys a frozen graph on its weights' shapes alone and keeps the packed
+# copies with it, so another model of the same shape (a fine-tune) would decode on the first one's weights.
+FROZEN_INT8_OPTIONS = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP",
+    "fx_graph_cache": False,
+}
+
+
+def with_code_of_its_own(fn: Callable) -> Callable:
+    """A copy of `fn` with a code object of its own. torch.compile keeps what it compiled with the code object it
+    ran, guarded on its arguments' types and shapes, not on which model they are: a graph holding one model's frozen
+    weights would serve the next model of the same shape that ran the same code."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_frozen")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def compiled_step(model: RuntimeTransformer) -> DecodeStep:
@@ -240,11 +256,12 @@ def compiled_decode_step(model: RuntimeTransformer) -> DecodeStep:
     }
     # Compiled without the inference mode that decode_step enters, which torch.compile cannot trace in a graph
     # of inference tensors with views (pytorch/pytorch#180823), and run inside it.
-    uncompiled = functools.partial(RuntimeTransformer.decode_step.__wrapped__, model)
-    step = torch.compile(uncompiled, dynamic=False, options=options)
+    uncompiled = RuntimeTransformer.decode_step.__wrapped__
+    step = torch.compile(functools.partial(uncompiled, model), dynamic=False, options=options)
     frozen_step = None  # one sequence's step, on int8 weights frozen into it
     if not on_cuda and any(isinstance(layer, Int8Linear) for layer in model.modules()):
-        frozen_step = torch.compile(uncompiled, dynamic=False, options={**options, **FROZEN_INT8_OPTIONS})
+        frozen = functools.partial(with_code_of_its_own(uncompiled), model)
+        frozen_step = torch.compile(frozen, dynamic=False, options={**options, **FROZEN_INT8_OPTIONS})
 
     def decode_step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
