@@ -1,5 +1,5 @@
-"""Why int8 prompts are slower than bfloat16 ones on the CPU: one prompt product of each way, at Llama 3.2 1B's
-weight shapes, for prompts of 64 and 512 tokens.
+"""Why int8 and int4 prompts are slower than bfloat16 ones on the CPU: one prompt product of each way, at Llama 3.2
+1B's weight shapes, for prompts of 64 and 512 tokens.
 
     python benchmarks/quant_prompt_products.py
     python benchmarks/quant_prompt_products.py --repeats 15
@@ -12,7 +12,9 @@ Per weight (out_features x in_features) and row count, the median milliseconds o
   (`aten._weight_int8pack_mm`);
 - widening alone: every int8 value to bfloat16, a block at a time (the least any widening product pays);
 - integers: the activations quantized to int8 per row, then `torch._int_mm` (int8 x int8 -> int32), the way
-  llama.cpp's Q8_0 multiplies. It changes the numbers (8-bit activations), so it is a lead, not a kernel here.
+  llama.cpp's Q8_0 multiplies. It changes the numbers (8-bit activations), so it is a lead, not a kernel here;
+- int4 (groups of 32) as `llama.quantize` runs prompts: PyTorch's int4 kernel (`_weight_int4pack_mm_for_cpu`), and
+  the weight dequantized a block at a time for the CPU's matrix kernels (`widened_int4_in_blocks`).
 """
 
 import argparse
@@ -22,8 +24,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from llama.quantize import chunk_rows, quantize_int8
-from llama.runtime.quantized import int8_kernel_product, widened_in_blocks
+from llama.quantize import chunk_rows, quantize_int4, quantize_int8, unpack_nibbles
+from llama.runtime.quantized import int4_cpu_product, int8_kernel_product, widened_in_blocks, widened_int4_in_blocks
 
 SHAPES = {"w1 or w3": (8192, 2048), "w2": (2048, 8192), "wq+wk+wv": (3072, 2048)}
 ROWS = (64, 512)
@@ -55,6 +57,7 @@ def main() -> None:
 
     print(f"CPU: {cpu_name()}; {torch.get_num_threads()} threads; median ms of {opts.repeats} runs")
     columns = ["bf16 plain", "bf16 prepacked", "int8 widened", "int8 kernel", "widening alone", "int8 x int8"]
+    columns += ["int4 kernel", "int4 widened"]
     print(f"{'weight':>10} {'rows':>5} " + " ".join(f"{c:>15}" for c in columns))
     generator = torch.Generator().manual_seed(0)
     for name, (out_features, in_features) in SHAPES.items():
@@ -63,6 +66,9 @@ def main() -> None:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         q_t = q.t()  # a view: _int_mm reads the (out, in) weight as (in, out)
         buffer = torch.empty(chunk_rows(in_features), in_features, dtype=torch.bfloat16)
+        nibbles, group_scales, group_zeros = quantize_int4(weight, 32, torch.bfloat16)
+        int4_packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_nibbles(nibbles).to(torch.int32), 2)
+        scales_and_zeros = torch.stack([group_scales.t(), group_zeros.t()], dim=-1).contiguous()
         for rows in ROWS:
             x = torch.randn(rows, in_features, generator=generator).bfloat16()
             products = [
@@ -72,6 +78,8 @@ def main() -> None:
                 lambda: int8_kernel_product(x, q, scales),
                 lambda: [buffer[: len(block)].copy_(block) for block in q.split(chunk_rows(in_features))],
                 lambda: integer_product(x, q_t, scales),
+                lambda: int4_cpu_product(x, int4_packed, scales_and_zeros, 32),
+                lambda: widened_int4_in_blocks(x, int4_packed, scales_and_zeros, 32),
             ]
             figures = [median_ms(product, opts.repeats) for product in products]
             print(f"{name:>10} {rows:>5} " + " ".join(f"{f:>15.2f}" for f in figures))
