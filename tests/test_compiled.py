@@ -2,7 +2,6 @@
 path on CUDA against the CPU's, on tiny random weights.
 """
 
-import functools
 import logging
 import re
 import time
@@ -213,6 +212,41 @@ def test_two_int8_models_of_one_shape_compiled_one_after_the_other_each_decode_o
         assert (compiled - expected).abs().max() < ATOL, f"the model of seed {seed}"
 
 
+def test_the_frozen_int8_step_compiles_once_whatever_mode_its_caller_made_the_position_in(process_group, tmp_path):
+    """A position made in inference mode (as `generate` makes it) and one made outside it (a caller of its own) run
+    the same graph: a second would hold a second copy of the weights."""
+    from llama.runtime import quantize_model
+
+    model = quantize_model(load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=23), torch.float32), "int8")
+    step = compiled_decode_step(model)
+    model(torch.tensor([[1, 2, 3]]), 0)
+    counters.clear()
+    with torch.inference_mode():
+        first = step(torch.tensor([[4]]), torch.tensor([3]))
+    second = step(torch.tensor([[4]]), torch.tensor([3]))
+    assert counters["stats"]["unique_graphs"] == 1 and torch.equal(first, second)
+
+
+@pytest.mark.slow
+def test_a_process_that_compiles_many_steps_runs_every_one_compiled(process_group, tmp_path):
+    """Past its recompile limit for a code object, torch.compile runs it eagerly, without an error. Each compiled
+    step has code of its own, so a process that builds model after model (an evaluation over checkpoints, a test
+    suite) decodes every one through a compiled graph of its own (the limit lowered here from 8 to 2 to show it)."""
+    from llama.runtime import quantize_model
+
+    counters.clear()
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for seed in range(40, 44):
+            weights = random_weights(GQA_PARAMS, seed=seed)
+            model = quantize_model(load_tiny(tmp_path / str(seed), weights, torch.float32), "int8")
+            model(torch.tensor([[1, 2, 3]]), 0)
+            expected = model.decode_step(torch.tensor([[4]]), torch.tensor([3]))
+            model(torch.tensor([[1, 2, 3]]), 0)
+            got = compiled_decode_step(model)(torch.tensor([[4]]), torch.tensor([3]))
+            assert (got - expected).abs().max() < ATOL, f"the model of seed {seed}"
+    assert counters["stats"]["unique_graphs"] == 4
+
+
 def test_a_frozen_int8_product_compiled_again_for_another_weight_of_its_shape_multiplies_by_that_weight(process_group):
     """inductor's graph cache keys a graph with frozen weights on their shapes, and keeps the copies it packed from
     them: a second weight of the same shape, compiled in this process or a later one, must not be served the first
@@ -222,10 +256,10 @@ def test_a_frozen_int8_product_compiled_again_for_another_weight_of_its_shape_mu
         layer = ColumnParallelLinear(512, 256, bias=False, gather_output=False, init_method=lambda w: w)
         layer.weight.data.copy_(torch.randn(256, 512, generator=torch.Generator().manual_seed(seed)))
         layer = quantize_layer(layer.to(torch.bfloat16), "int8")
-        frozen = functools.partial(with_code_of_its_own(type(layer).forward), layer)
+        frozen = with_code_of_its_own(type(layer).forward, f"product_{seed}")
         with torch.inference_mode(), torch._dynamo.config.patch(prepare_freezing=True):
             expected = layer(x).float()
-            got = torch.compile(frozen, dynamic=False, options=FROZEN_INT8_OPTIONS)(x).float()
+            got = torch.compile(frozen, dynamic=False, options=FROZEN_INT8_OPTIONS)(layer, x).float()
         assert (got - expected).abs().max() < 0.01 * expected.abs().max(), f"the weight of seed {seed}"
 
 

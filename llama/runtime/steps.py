@@ -3,7 +3,6 @@ steps, in order. Nothing else in the package replaces a model's layers or sets a
 """
 
 import contextlib
-import functools
 import logging
 import types
 from typing import Callable, Optional, Tuple
@@ -223,12 +222,14 @@ FROZEN_INT8_OPTIONS = {
 }
 
 
-def with_code_of_its_own(fn: Callable) -> Callable:
-    """A copy of `fn` with a code object of its own. torch.compile keeps what it compiled with the code object it
-    ran, guarded on its arguments' types and shapes, not on which model they are: a graph holding one model's frozen
-    weights would serve the next model of the same shape that ran the same code."""
-    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_frozen")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+def with_code_of_its_own(fn: Callable, name: str) -> Callable:
+    """A copy of `fn`, named `name`, with a code object of its own. torch.compile keeps what it compiled with the
+    code of the frame it compiled, guarded on the arguments' types and shapes, not on which model they are: a graph
+    holding one model's frozen weights would serve the next model of the same shape that ran the same code, and
+    every step compiled in the process would count against one recompile limit (past it, torch.compile runs the
+    step eagerly, silently)."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def compiled_step(model: RuntimeTransformer) -> DecodeStep:
@@ -256,11 +257,12 @@ def compiled_decode_step(model: RuntimeTransformer) -> DecodeStep:
     }
     # Compiled without the inference mode that decode_step enters, which torch.compile cannot trace in a graph
     # of inference tensors with views (pytorch/pytorch#180823), and run inside it.
+    # Each compiled as a function of its own (`with_code_of_its_own`), called with the model as its first argument.
     uncompiled = RuntimeTransformer.decode_step.__wrapped__
-    step = torch.compile(functools.partial(uncompiled, model), dynamic=False, options=options)
+    step = torch.compile(with_code_of_its_own(uncompiled, "decode_step"), dynamic=False, options=options)
     frozen_step = None  # one sequence's step, on int8 weights frozen into it
     if not on_cuda and any(isinstance(layer, Int8Linear) for layer in model.modules()):
-        frozen = functools.partial(with_code_of_its_own(uncompiled), model)
+        frozen = with_code_of_its_own(uncompiled, "frozen_decode_step")
         frozen_step = torch.compile(frozen, dynamic=False, options={**options, **FROZEN_INT8_OPTIONS})
 
     def decode_step(tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -268,11 +270,14 @@ def compiled_decode_step(model: RuntimeTransformer) -> DecodeStep:
             # A column of the batch's token table has its row stride, which changes with the table's length and
             # would compile the step again for each (contiguous() keeps it for one row); a copy's strides do not.
             tokens = tokens.clone(memory_format=torch.contiguous_format)
+            # Copied here, an inference tensor whatever mode the caller made it in: the graph is guarded on that,
+            # and a second graph (for the frozen step, a second copy of the weights) would be compiled for the other.
+            position = position.clone()
             if frozen_step is None or tokens.shape[0] > 1:
-                return step(tokens, position)
+                return step(model, tokens, position)
             # Frozen weights are taken as the graph's constants as torch.compile traces the step, before the
             # options above apply: the tracer is told so itself.
             with torch._dynamo.config.patch(prepare_freezing=True):
-                return frozen_step(tokens, position)
+                return frozen_step(model, tokens, position)
 
     return decode_step
