@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from llama.quantize import chunk_rows, quantize_int4, quantize_int8, unpack_nibbles
-from llama.runtime.quantized import int4_cpu_product, int8_kernel_product, widened_in_blocks, widened_int4_in_blocks
+from llama.runtime.cpu.widened import widened_in_blocks, widened_int4_in_blocks
+from llama.runtime.quantized import int4_cpu_product, int8_kernel_product
 
 SHAPES = {"w1 or w3": (8192, 2048), "w2": (2048, 8192), "wq+wk+wv": (3072, 2048)}
 ROWS = (64, 512)

@@ -6,6 +6,7 @@ Every product must compute the dequantized weight's product, whichever the timin
 tests run the timing itself and the CUDA graphs over the chosen products.
 """
 
+import threading
 import time
 
 import pytest
@@ -18,21 +19,14 @@ from llama.checkpoint import load_model, model_args_from, open_checkpoint, rando
 from llama.quantize import dequantize, quantize_int4, unpack_nibbles
 from llama.runtime import for_runtime, quantize_model
 from llama.runtime.cpu import onednn_bf16_supported
-from llama.runtime.quantized import (
-    Int4Linear,
-    Int8Linear,
-    QuantizedLinear,
-    cpu_int4_block_rows,
-    dequantized_int4_weight,
-    quantize_layer,
-    unpack_cpu_int4,
-)
+from llama.runtime.cpu.widened import cpu_int4_block_rows, unpack_cpu_int4
+from llama.runtime.quantized import Int4Linear, Int8Linear, QuantizedLinear, dequantized_int4_weight, quantize_layer
 from llama.runtime.quantized_kernels import CPU_INT4_PRODUCTS, TIMED_ROWS, fastest
 
 
-def int8_layer(rows: int = 96, cols: int = 128) -> Int8Linear:
+def int8_layer(rows: int = 96, cols: int = 128, seed: int = 0) -> Int8Linear:
     layer = ColumnParallelLinear(cols, rows, bias=False, gather_output=False, init_method=lambda x: x)
-    layer.weight.data.copy_(torch.randn(rows, cols, generator=torch.Generator().manual_seed(5)) * 0.05)
+    layer.weight.data.copy_(torch.randn(rows, cols, generator=torch.Generator().manual_seed(5 + seed)) * 0.05)
     return quantize_layer(layer, "int8")
 
 
@@ -142,10 +136,10 @@ def test_an_int8_choice_once_timed_is_kept_by_every_later_load(process_group, tm
     assert layer.kernels == first
 
 
-def int4_layer(rows: int, cols: int):
+def int4_layer(rows: int, cols: int, seed: int = 0):
     """An int4 layer (groups of 32) of a random weight, and the values it was quantized to."""
     layer = ColumnParallelLinear(cols, rows, bias=False, gather_output=False, init_method=lambda x: x)
-    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(6)) * 0.05
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(6 + seed)) * 0.05
     values = quantize_int4(weight, 32, torch.float32)
     return Int4Linear(layer, *values), values
 
@@ -167,6 +161,49 @@ def test_the_cpu_widens_int4_prompts_in_blocks_to_the_same_product(process_group
     assert layer.widened32_product(x.bfloat16()).dtype == torch.bfloat16
     # In bfloat16, "widened" multiplies the dequantized weight rounded once to bfloat16.
     torch.testing.assert_close(layer.widened_product(x.bfloat16()), F.linear(x.bfloat16(), weight.bfloat16()))
+
+
+def widened_cases(x_rows: int, seed: int = 0):
+    """An int8 and an int4 layer of two blocks or more each (`chunk_rows`), weights of `seed`: each one's widened
+    product, an input of `x_rows` rows and the product expected of it."""
+    int8 = int8_layer(rows=2100, cols=1024, seed=seed)
+    int4, (nibbles, scales, zeros) = int4_layer(rows=2112, cols=1024, seed=seed)
+    x = torch.randn(x_rows, 1024, generator=torch.Generator().manual_seed(x_rows + seed))
+    return [
+        (int8.widened32_product, x, x @ dequantize(int8.weight, int8.scales).t()),
+        (int4.widened32_product, x, x @ dequantize(nibbles, scales, zeros).t()),
+    ]
+
+
+def test_widened_products_run_alike_inside_and_outside_inference_mode(process_group):
+    """Their buffers are reused from call to call: one first made while generating (in inference mode) must still
+    take a later product outside it (a user's own forward pass, a test under `torch.no_grad`)."""
+    cases = widened_cases(6)
+    for mode in (torch.inference_mode, torch.no_grad, torch.enable_grad):
+        with mode():
+            for product, x, expected in cases:
+                torch.testing.assert_close(product(x), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_widened_products_in_two_threads_at_once_each_give_their_own_product(process_group):
+    """Two threads (two requests a server runs at once) widen their weights at the same time: each must multiply
+    by its own weight, not by a block the other thread wrote into a buffer they shared."""
+    failures, start = [], threading.Barrier(2)
+
+    def run(cases):
+        start.wait()
+        for _ in range(20):
+            for product, x, expected in cases:
+                y = product(x)
+                if not torch.allclose(y, expected, atol=1e-4, rtol=1e-4):
+                    failures.append(float((y - expected).abs().max()))
+
+    threads = [threading.Thread(target=run, args=(widened_cases(3, seed),)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, f"{len(failures)} of 80 products wrong, by up to {max(failures):.3g}"
 
 
 def test_the_cpu_chooses_an_int4_product_per_row_count_by_timing_them(process_group, tmp_path, monkeypatch):

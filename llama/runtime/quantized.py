@@ -5,7 +5,6 @@ checkpoint loads or as `quantize_model` runs. `Int4Embedding`: a token embedding
 GGUF file brings.
 """
 
-import functools
 from typing import Optional
 
 import fairscale.nn.model_parallel.initialize as fs_init
@@ -26,6 +25,7 @@ from llama.quantize import (
     whole_shape,
 )
 from llama.runtime.cpu.kernels import onednn_bf16_supported
+from llama.runtime.cpu.widened import cpu_int4_block_rows, widened_in_blocks, widened_int4_in_blocks
 from llama.runtime.parallel_layers import MeasuredLinear, ParallelLinear, vocab_parallel_lookup
 
 # The names of the ways a quantized layer computes its product (`QuantizedLinear.products`), across schemes and
@@ -113,77 +113,11 @@ def int8_kernel_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) 
     return torch.ops.aten._weight_int8pack_mm(rows, q, scales).view(*x.shape[:-1], -1)
 
 
-def widened_in_blocks(
-    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, dtype: Optional[torch.dtype] = None
-) -> torch.Tensor:
-    """On the CPU: the int8 weight widened to `dtype` (`x`'s if None) a block of rows at a time (`chunk_rows`) into
-    one buffer reused for every block (a whole widened weight would be mapped afresh and fault in page by page at
-    every call: several times slower), each block's product by `F.linear` (the CPU's matrix kernels, fast on many
-    rows), then scaled, in `dtype`. In float32 that is MKL's product: where the CPU has no bfloat16 matrix kernels
-    (AVX2), several times faster on a prompt's rows than bfloat16's (docs/quantize.md)."""
-    dtype = dtype or x.dtype
-    rows = x.reshape(-1, x.shape[-1]).to(dtype)
-    step = chunk_rows(q.shape[1])
-    buffer = torch.empty(min(step, q.shape[0]), q.shape[1], dtype=dtype)
-    outputs = [F.linear(rows, buffer[: len(block)].copy_(block)) for block in q.split(step)]
-    return (torch.cat(outputs, dim=-1) * scales.to(dtype)).to(x.dtype).view(*x.shape[:-1], -1)
-
-
 def int4_cpu_product(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int):
     """PyTorch's int4 kernel for the CPU, on a weight in its layout (`_convert_weight_to_int4pack_for_cpu`)."""
     rows, scales_and_zeros = x.reshape(-1, x.shape[-1]), scales_and_zeros.to(x.dtype)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_and_zeros)
     return y.view(*x.shape[:-1], packed.shape[0])
-
-
-@functools.cache
-def cpu_int4_block_rows() -> Optional[int]:
-    """The rows per block of the layout `_convert_weight_to_int4pack_for_cpu` makes here, or None where it is none of
-    those `unpack_cpu_int4` reads. The layout is PyTorch's own and depends on the CPU's instructions (wider blocks
-    with AVX-512), so it is found by packing a random weight and reading it back."""
-    levels = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 2)
-    return next((rows for rows in (64, 32, 16) if torch.equal(unpack_cpu_int4(packed, rows).int(), levels)), None)
-
-
-def unpack_cpu_int4(packed: torch.Tensor, block_rows: int) -> torch.Tensor:
-    """The int4 levels (uint8, out x in) of rows of the CPU kernel's layout, blocks of `block_rows` rows: each block
-    holds, for each input in turn, the block's first half of rows in low nibbles and its second half in high ones."""
-    blocks = packed.view(-1, packed.shape[1] * 2, block_rows // 2)  # (blocks, inputs, half a block's rows)
-    return torch.cat([blocks & 0xF, blocks >> 4], dim=-1).transpose(1, 2).reshape(-1, packed.shape[1] * 2)
-
-
-def widened_int4_in_blocks(
-    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, dtype=None
-) -> torch.Tensor:
-    """On the CPU: the int4 weight in the kernel's layout dequantized in float32 (as `dequantize` computes it) a block
-    of output rows at a time into one buffer reused for every block, rounded to `dtype` (`x`'s if None), and each
-    block's product by the CPU's matrix kernels: on a prompt's rows, faster than the one-row int4 kernel. In float32
-    that is MKL's product (fast on AVX2); in bfloat16, oneDNN's (fast where the CPU multiplies bfloat16: AVX-512 with
-    bfloat16, AMX). The buffer holds the weight transposed, inputs by outputs, as the kernel's layout orders its
-    values: unpacked without a transpose, and multiplied as it lies (docs/quantize.md)."""
-    dtype = dtype or x.dtype
-    block_rows = cpu_int4_block_rows()
-    half = block_rows // 2
-    rows = x.reshape(-1, x.shape[-1]).to(dtype)
-    out_features, in_features = packed.shape[0], packed.shape[1] * 2
-    step = max(block_rows, chunk_rows(in_features) // block_rows * block_rows)
-    buffer = torch.empty(in_features, min(step, out_features))
-    rounded = buffer if dtype == torch.float32 else torch.empty_like(buffer, dtype=dtype)
-    y = torch.empty(len(rows), out_features, dtype=dtype)
-    for start in range(0, out_features, step):
-        # Each block of the layout holds, input by input, its first half of rows in low nibbles, the rest in high ones.
-        blocks = packed[start : start + step].view(-1, in_features, half).transpose(0, 1)  # inputs, blocks, half
-        width = blocks.shape[1] * block_rows
-        levels = buffer[:, :width].view(in_features, -1, block_rows)
-        levels[..., :half].copy_(blocks & 0xF)
-        levels[..., half:].copy_(blocks >> 4)
-        # (groups, 1, outputs) each: contiguous, as a strided one would slow the products below down
-        scale, zero = (scales_and_zeros[:, start : start + width, i].float()[:, None] for i in (0, 1))
-        buffer[:, :width].view(-1, group_size, width).sub_(8).mul_(scale).add_(zero)
-        weight = buffer[:, :width] if rounded is buffer else rounded[:, :width].copy_(buffer[:, :width])
-        torch.matmul(rows, weight, out=y[:, start : start + width])
-    return y.to(x.dtype).view(*x.shape[:-1], out_features)
 
 
 class Int8Linear(QuantizedLinear):

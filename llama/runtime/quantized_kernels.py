@@ -18,16 +18,14 @@ import torch
 from torch import nn
 
 from llama.runtime.cpu.cache import KernelCache, Measured
+from llama.runtime.cpu.widened import cpu_int4_block_rows, widened_in_blocks, widened_int4_in_blocks
 from llama.runtime.quantized import (
     QUANTIZED_PRODUCTS,
     Int4Linear,
     Int8Linear,
     QuantizedLinear,
-    cpu_int4_block_rows,
     int4_cpu_product,
     int8_kernel_product,
-    widened_in_blocks,
-    widened_int4_in_blocks,
 )
 from llama.runtime.timing import graph_seconds_or_first, time_kernels, timed
 
@@ -50,6 +48,9 @@ CPU_INT4_PRODUCTS = {
     "widened": widened_int4_in_blocks,
     "widened32": functools.partial(widened_int4_in_blocks, dtype=torch.float32),
 }
+# Part of each CPU product's cache key, raised when a product's code changes its speed (2: the widened products'
+# buffers reused from call to call, int4's unpacked outputs by inputs): timings cached before no longer hold.
+CPU_PRODUCTS_REVISION = 2
 PRODUCT_VARIABLE = "LLAMA_QUANTIZED_PRODUCT"  # pins one product (`pinned_product`)
 SCREEN = 4  # products more than this many times slower than the best at a first, eager call are not timed further
 
@@ -79,7 +80,7 @@ def measured_choice(layer: QuantizedLinear, cache: KernelCache) -> Dict[int, str
     (measured by an earlier load here: the same choice, so the same results), else timed now and cached; under
     model parallelism, rank 0's figures on every rank (`KernelCache.agree`)."""
     on_cpu = layer.weight.device.type == "cpu"
-    device = "CPU" if on_cpu else torch.cuda.get_device_name(layer.weight.device)
+    device = f"CPU, products r{CPU_PRODUCTS_REVISION}" if on_cpu else torch.cuda.get_device_name(layer.weight.device)
     product = f"{type(layer).__name__} {layer.activation_dtype()} {layer.out_features}x{layer.in_features} on {device}"
     row_counts = CPU_TIMED_ROWS if on_cpu else TIMED_ROWS
     keys = {rows: cache.key(product, rows, sorted(layer.products(rows))) for rows in row_counts}
