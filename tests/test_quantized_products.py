@@ -37,9 +37,11 @@ def test_every_int8_product_computes_the_dequantized_weights_product(process_gro
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
     expected = x @ expected_weight.t()
     # On the CPU ("widened" in the activations' dtype only where oneDNN multiplies bfloat16); a GPU has "fused"
-    assert set(layer.products(rows)) - {"widened"} == {"int8", "widened32"}
-    assert ("widened" in layer.products(rows)) == onednn_bf16_supported()
-    products = {"widened": layer.widened_product, **layer.products(rows), "fused": layer.fused_product}
+    in_bfloat16 = {"widened", "widened_left"}
+    assert set(layer.products(rows)) - in_bfloat16 == {"int8", "widened32", "widened32_left"}
+    assert (in_bfloat16 <= set(layer.products(rows))) == onednn_bf16_supported()
+    every = dict(widened=layer.widened_product, widened_left=layer.widened_left_product, fused=layer.fused_product)
+    products = {**every, **layer.products(rows)}
     with torch.inference_mode():  # as decoding runs them
         for name, product in products.items():
             torch.testing.assert_close(product(x), expected, atol=1e-4, rtol=1e-4, msg=name)
@@ -65,17 +67,19 @@ def test_the_cpu_widens_int8_prompts_in_blocks_to_the_same_product(process_group
     layer = int8_layer(rows=2100, cols=1024)  # blocks of 2048 rows, then 52
     x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(8))
     expected = x @ dequantize(layer.weight, layer.scales).t()
-    torch.testing.assert_close(layer.widened_product(x), expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(layer.widened32_product(x), expected, atol=1e-4, rtol=1e-4)
+    names = ("widened", "widened32", "widened_left", "widened32_left")
+    for name in names:
+        torch.testing.assert_close(getattr(layer, f"{name}_product")(x), expected, atol=1e-4, rtol=1e-4, msg=name)
     layer.scales = layer.scales.bfloat16()
     in_bf16 = x.bfloat16()
     exact = in_bf16.double() @ dequantize(layer.weight, layer.scales).double().t()
     errors = {}
-    for name in ("widened", "widened32"):
+    for name in names:
         y = getattr(layer, f"{name}_product")(in_bf16)
-        assert y.dtype == torch.bfloat16
+        assert y.dtype == torch.bfloat16 and y.is_contiguous()
         errors[name] = float((y.double() - exact).abs().mean())
-    assert errors["widened32"] < 0.9 * errors["widened"], errors
+    for order in ("", "_left"):
+        assert errors[f"widened32{order}"] < 0.9 * errors[f"widened{order}"], errors
 
 
 def products_where(faster: str) -> dict:
@@ -85,7 +89,8 @@ def products_where(faster: str) -> dict:
         time.sleep(0.003)
         return x
 
-    return {name: (lambda x, q, scales: x) if name == faster else slow for name in ("int8", "widened", "widened32")}
+    names = ("int8", "widened", "widened32", "widened_left", "widened32_left")
+    return {name: (lambda x, q, scales: x) if name == faster else slow for name in names}
 
 
 def test_the_cpu_chooses_an_int8_product_per_row_count_by_timing_them(process_group, tmp_path, monkeypatch):
@@ -111,10 +116,13 @@ def test_nothing_is_widened_to_bfloat16_without_onednns_kernels(process_group, t
     monkeypatch.setattr(quantized, "onednn_bf16_supported", lambda: False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     table = "CPU_INT8_PRODUCTS" if scheme == "int8" else "CPU_INT4_PRODUCTS"
-    monkeypatch.setattr(quantized_kernels, table, {**getattr(quantized_kernels, table), "widened": never})
+    in_bfloat16 = {"widened", "widened_left"}
+    monkeypatch.setattr(
+        quantized_kernels, table, {**getattr(quantized_kernels, table), **dict.fromkeys(in_bfloat16, never)}
+    )
     layer = int8_layer() if scheme == "int8" else int4_layer(rows=128, cols=256)[0]
     quantized_kernels.choose_quantized_kernels(layer)
-    assert "widened" not in layer.products(64) and "widened" not in layer.kernels.values()
+    assert not in_bfloat16 & (set(layer.products(64)) | set(layer.kernels.values()))
 
 
 def test_an_int8_choice_once_timed_is_kept_by_every_later_load(process_group, tmp_path, monkeypatch):
@@ -150,17 +158,30 @@ def test_the_cpu_widens_int4_prompts_in_blocks_to_the_same_product(process_group
     layer, (nibbles, scales, zeros) = int4_layer(rows=4160, cols=1024)  # blocks of 2048 rows, 2048, then 64
     block_rows = cpu_int4_block_rows()
     # "widened" (in the activations' dtype) only where oneDNN multiplies bfloat16
-    assert block_rows is not None and set(layer.products(64)) - {"widened"} == {"tinygemm", "widened32"}
-    assert ("widened" in layer.products(64)) == onednn_bf16_supported()
+    in_bfloat16 = {"widened", "widened_left"}
+    assert block_rows is not None and set(layer.products(64)) - in_bfloat16 == {
+        "tinygemm",
+        "widened32",
+        "widened32_left",
+    }
+    assert (in_bfloat16 <= set(layer.products(64))) == onednn_bf16_supported()
     assert torch.equal(unpack_cpu_int4(layer.weight, block_rows), unpack_nibbles(nibbles))
     x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(9))
     weight = dequantize(nibbles, scales, zeros)
     expected = x @ weight.t()
-    for product in (layer.widened32_product, layer.widened_product, layer.tinygemm_product):  # float32 activations
+    widened = [layer.widened32_product, layer.widened_product, layer.widened32_left_product, layer.widened_left_product]
+    for product in [*widened, layer.tinygemm_product]:  # float32 activations
         torch.testing.assert_close(product(x), expected, atol=1e-4, rtol=1e-4)
-    assert layer.widened32_product(x.bfloat16()).dtype == torch.bfloat16
+    assert (
+        layer.widened32_product(x.bfloat16()).dtype
+        == layer.widened32_left_product(x.bfloat16()).dtype
+        == torch.bfloat16
+    )
     # In bfloat16, "widened" multiplies the dequantized weight rounded once to bfloat16.
-    torch.testing.assert_close(layer.widened_product(x.bfloat16()), F.linear(x.bfloat16(), weight.bfloat16()))
+    for product in (layer.widened_product, layer.widened_left_product):
+        y = product(x.bfloat16())
+        assert y.is_contiguous()
+        torch.testing.assert_close(y, F.linear(x.bfloat16(), weight.bfloat16()))
 
 
 def widened_cases(x_rows: int, seed: int = 0):

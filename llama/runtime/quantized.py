@@ -30,7 +30,10 @@ from llama.runtime.parallel_layers import MeasuredLinear, ParallelLinear, vocab_
 
 # The names of the ways a quantized layer computes its product (`QuantizedLinear.products`), across schemes and
 # devices.
-QUANTIZED_PRODUCTS = ("int8", "widened", "widened32", "fused", "tinygemm", "dequantized")
+QUANTIZED_PRODUCTS = (
+    *("int8", "widened", "widened32", "widened_left", "widened32_left"),
+    *("fused", "tinygemm", "dequantized"),
+)
 
 
 # Products on CUDA that torch.compile builds from the widening and the product together (one compiled graph per
@@ -125,8 +128,10 @@ class Int8Linear(QuantizedLinear):
 
     Products: "int8", PyTorch's int8 kernel (the CPU's default); "widened", the weight widened to the activations'
     dtype inside `F.linear` (the GPU's default, and what a compiled step fuses into one pass; on the CPU a block of
-    rows at a time, for prompts, where oneDNN multiplies bfloat16); on the CPU "widened32", the same in float32; on
-    a GPU "fused", that product compiled on its own, for one row, where torch.compile reads each int8 weight once."""
+    rows at a time, for prompts, where oneDNN multiplies bfloat16); on the CPU "widened32", the same in float32, and
+    "widened_left" and "widened32_left", both with the weight on the left of each block's product
+    (`llama.runtime.cpu.widened`); on a GPU "fused", that product compiled on its own, for one row, where
+    torch.compile reads each int8 weight once."""
 
     CPU_DEFAULT, GPU_DEFAULT = "int8", "widened"
 
@@ -140,8 +145,9 @@ class Int8Linear(QuantizedLinear):
     def products(self, rows: int) -> dict:
         if self.weight.device.type == "cpu":
             products = {"int8": self.int8_product, "widened32": self.widened32_product}
+            products["widened32_left"] = self.widened32_left_product
             if onednn_bf16_supported():  # as int4's: on AVX2 a bfloat16 product of the buffer never wins
-                products["widened"] = self.widened_product
+                products.update(widened=self.widened_product, widened_left=self.widened_left_product)
             return products
         products = {"int8": self.int8_product, "widened": self.widened_product}
         if rows == 1:  # compiled for one row count only: a graph for each would be compiled at its first use
@@ -162,6 +168,12 @@ class Int8Linear(QuantizedLinear):
     def widened32_product(self, x: torch.Tensor) -> torch.Tensor:
         return widened_in_blocks(x, self.weight, self.scales, torch.float32)
 
+    def widened_left_product(self, x: torch.Tensor) -> torch.Tensor:
+        return widened_in_blocks(x, self.weight, self.scales, left=True)
+
+    def widened32_left_product(self, x: torch.Tensor) -> torch.Tensor:
+        return widened_in_blocks(x, self.weight, self.scales, torch.float32, left=True)
+
     def fused_product(self, x: torch.Tensor) -> torch.Tensor:
         return compiled_on_cuda(widened_int8_product, x, self.weight, self.scales)
 
@@ -172,10 +184,12 @@ class Int4Linear(QuantizedLinear):
 
     Products: "tinygemm", PyTorch's int4 kernel (the default), made for a few rows. On the CPU, for a prompt's rows,
     "widened" and "widened32": the weight dequantized a block at a time to the activations' dtype (where oneDNN
-    multiplies bfloat16) or to float32, then the CPU's matrix kernels. Off the CPU, "dequantized": the weight widened
-    to the activations' dtype by one compiled kernel, then `F.linear`: for a prompt's rows, a product at the GPU's
-    speed is worth one pass over the weight. It reads the values as quantized (`nibbles`, `group_scales`,
-    `group_zeros`), which a GPU layer holds until the runtime's measurement finds whether any row count needs them
+    multiplies bfloat16) or to float32, then the CPU's matrix kernels; "widened_left" and "widened32_left", the same
+    with the weight on the left of each block's product (`llama.runtime.cpu.widened`). Off the CPU, "dequantized":
+    the weight widened to the activations' dtype by one compiled kernel, then `F.linear`: for a prompt's rows, a
+    product at the GPU's speed is worth one pass over the weight. It reads the values as quantized (`nibbles`,
+    `group_scales`, `group_zeros`), which a GPU layer holds until the runtime's measurement finds whether any row
+    count needs them
     (`drop_unused_copies`)."""
 
     CPU_DEFAULT = GPU_DEFAULT = "tinygemm"
@@ -211,11 +225,11 @@ class Int4Linear(QuantizedLinear):
             products["dequantized"] = self.dequantized_product
         block_rows = cpu_int4_block_rows() if self.weight.device.type == "cpu" else None
         if block_rows and self.out_features % block_rows == 0:
-            products["widened32"] = self.widened32_product
-            # Only where oneDNN multiplies bfloat16: on AVX2 PyTorch's own bfloat16 product of the buffer as it lies
-            # (transposed) takes seconds, 100 times float32's.
+            products.update(widened32=self.widened32_product, widened32_left=self.widened32_left_product)
+            # Only where oneDNN multiplies bfloat16: on AVX2 PyTorch's own bfloat16 product of the buffer took
+            # seconds, 100 times float32's.
             if onednn_bf16_supported():
-                products["widened"] = self.widened_product
+                products.update(widened=self.widened_product, widened_left=self.widened_left_product)
         return products
 
     def activation_dtype(self) -> torch.dtype:
@@ -233,6 +247,13 @@ class Int4Linear(QuantizedLinear):
 
     def widened32_product(self, x: torch.Tensor) -> torch.Tensor:
         return widened_int4_in_blocks(x, self.weight, self.scales_and_zeros, self.group_size, torch.float32)
+
+    def widened_left_product(self, x: torch.Tensor) -> torch.Tensor:
+        return widened_int4_in_blocks(x, self.weight, self.scales_and_zeros, self.group_size, left=True)
+
+    def widened32_left_product(self, x: torch.Tensor) -> torch.Tensor:
+        args = (x, self.weight, self.scales_and_zeros, self.group_size, torch.float32)
+        return widened_int4_in_blocks(*args, left=True)
 
     def dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
         weight = compiled_on_cuda(dequantized_int4_weight, self.nibbles, self.group_scales, self.group_zeros)

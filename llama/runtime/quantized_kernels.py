@@ -1,7 +1,8 @@
 """Step 5 of `for_runtime`: each quantized weight's product chosen by timing every way to compute it
 (`QuantizedLinear.products`) at the row counts that matter: a decode step's, a batch's, a prompt's; on a GPU for
 every scheme, on the CPU for int8 (PyTorch's kernel, or the weight widened a block at a time for `F.linear`, in the
-activations' dtype or in float32) and int4 (PyTorch's kernel, or widened likewise).
+activations' dtype or in float32, each block multiplied with the weight on the right or on the left) and int4
+(PyTorch's kernel, or widened likewise).
 
 Which one is fastest depends on the device, the PyTorch build and the weight's shape (docs/cuda.md has the figures),
 so it is measured, not assumed. The products give the same values up to the order of float32 sums
@@ -42,14 +43,19 @@ CPU_INT8_PRODUCTS = {
     "int8": int8_kernel_product,
     "widened": widened_in_blocks,
     "widened32": functools.partial(widened_in_blocks, dtype=torch.float32),
+    "widened_left": functools.partial(widened_in_blocks, left=True),
+    "widened32_left": functools.partial(widened_in_blocks, dtype=torch.float32, left=True),
 }
 CPU_INT4_PRODUCTS = {
     "tinygemm": int4_cpu_product,
     "widened": widened_int4_in_blocks,
     "widened32": functools.partial(widened_int4_in_blocks, dtype=torch.float32),
+    "widened_left": functools.partial(widened_int4_in_blocks, left=True),
+    "widened32_left": functools.partial(widened_int4_in_blocks, dtype=torch.float32, left=True),
 }
 # Part of each CPU product's cache key, raised when a product's code changes its speed (2: the widened products'
-# buffers reused from call to call, int4's unpacked outputs by inputs): timings cached before no longer hold.
+# buffers reused from call to call, int4's unpacked outputs by inputs, the "_left" products added): timings cached
+# before no longer hold.
 CPU_PRODUCTS_REVISION = 2
 PRODUCT_VARIABLE = "LLAMA_QUANTIZED_PRODUCT"  # pins one product (`pinned_product`)
 SCREEN = 4  # products more than this many times slower than the best at a first, eager call are not timed further

@@ -5,7 +5,9 @@ no second copy of the weight is held (docs/quantize.md has the figures).
 
 Each block is widened into a buffer of this thread's (`scratch`), reused by every block and every call: memory
 mapped afresh at each call is faulted in page by page, which cost a small weight's product at 64 rows half again
-its time.
+its time. Each product comes in two orders (`left`): the input times the block's transpose, x W^T, where the matrix
+kernel packs the block into its own layout at every call, or the block on the left, W x^T, where it packs the
+input instead and reads the block as it lies (faster on a few dozen rows, slower on a few; the load times both).
 """
 
 import functools
@@ -32,21 +34,45 @@ def scratch(name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     return buffer[:size].view(shape)
 
 
+class BlockProducts:
+    """The output of a widened product (`rows` x `out_features`, in `rows`' dtype), written a block of outputs at a
+    time (`put`): by x W^T into the output as it lies, or `left`, by W x^T into its transpose (`result` turns it)."""
+
+    def __init__(self, rows: torch.Tensor, out_features: int, left: bool):
+        self.rows, self.left = rows, left
+        shape = (out_features, len(rows)) if left else (len(rows), out_features)
+        self.y = torch.empty(shape, dtype=rows.dtype)
+
+    def put(self, weight: torch.Tensor, start: int) -> None:
+        """The product of the rows and `weight`, a block of outputs from `start`."""
+        if self.left:
+            torch.matmul(weight, self.rows.t(), out=self.y[start : start + len(weight)])
+        else:
+            torch.matmul(self.rows, weight.t(), out=self.y[:, start : start + len(weight)])
+
+    def result(self, scales: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The product, rows by outputs and contiguous, each output scaled by `scales` if given."""
+        if not self.left:
+            return self.y if scales is None else self.y.mul_(scales)
+        y = self.y.t()
+        return y.contiguous() if scales is None else torch.mul(y, scales, out=torch.empty(y.shape, dtype=y.dtype))
+
+
 def widened_in_blocks(
-    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, dtype: Optional[torch.dtype] = None
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, dtype: Optional[torch.dtype] = None, left: bool = False
 ) -> torch.Tensor:
     """The product of `x` and an int8 weight (`q`, one scale per output row), the weight widened to `dtype` (`x`'s
-    if None) a block at a time: in float32 that is MKL's product, several times faster on a prompt's rows than
-    bfloat16's where the CPU has no bfloat16 matrix kernels (AVX2)."""
+    if None) a block at a time, multiplied in the order `left` says (`BlockProducts`): in float32 that is MKL's
+    product, several times faster on a prompt's rows than bfloat16's where the CPU has no bfloat16 matrix kernels
+    (AVX2)."""
     dtype = dtype or x.dtype
-    rows = x.reshape(-1, x.shape[-1]).to(dtype)
+    products = BlockProducts(x.reshape(-1, x.shape[-1]).to(dtype), q.shape[0], left)
     step = chunk_rows(q.shape[1])
     buffer = scratch("int8 widened", (min(step, q.shape[0]), q.shape[1]), dtype)
-    y = torch.empty(len(rows), q.shape[0], dtype=dtype)
     for start in range(0, q.shape[0], step):
         block = q[start : start + step]
-        torch.matmul(rows, buffer[: len(block)].copy_(block).t(), out=y[:, start : start + len(block)])
-    return y.mul_(scales.to(dtype)).to(x.dtype).view(*x.shape[:-1], -1)
+        products.put(buffer[: len(block)].copy_(block), start)
+    return products.result(scales.to(dtype)).to(x.dtype).view(*x.shape[:-1], -1)
 
 
 @functools.cache
@@ -67,11 +93,17 @@ def unpack_cpu_int4(packed: torch.Tensor, block_rows: int) -> torch.Tensor:
 
 
 def widened_int4_in_blocks(
-    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, dtype=None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    dtype: Optional[torch.dtype] = None,
+    left: bool = False,
 ) -> torch.Tensor:
     """The product of `x` and an int4 weight in the CPU kernel's layout, the weight dequantized in float32 (as
-    `dequantize` computes it) a block at a time, rounded to `dtype` (`x`'s if None): in float32 MKL's product (fast
-    on AVX2), in bfloat16 oneDNN's (fast where the CPU multiplies bfloat16: AVX-512 with bfloat16, AMX).
+    `dequantize` computes it) a block at a time, rounded to `dtype` (`x`'s if None), multiplied in the order `left`
+    says (`BlockProducts`): in float32 MKL's product (fast on AVX2), in bfloat16 oneDNN's (fast where the CPU
+    multiplies bfloat16: AVX-512 with bfloat16, AMX).
 
     The block is unpacked outputs by inputs, as `F.linear` takes a weight: the layout holds it inputs by outputs, so
     its bytes are transposed first (a byte a pair of values, the cheapest place to do it). Laid out so, each core
@@ -80,14 +112,13 @@ def widened_int4_in_blocks(
     dtype = dtype or x.dtype
     block_rows = cpu_int4_block_rows()
     half = block_rows // 2
-    rows = x.reshape(-1, x.shape[-1]).to(dtype)
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
+    products = BlockProducts(x.reshape(-1, x.shape[-1]).to(dtype), out_features, left)
     step = max(block_rows, chunk_rows(in_features) // block_rows * block_rows)
     width = min(step, out_features)
     nibbles = scratch("int4 nibbles", (width // block_rows, half, in_features), torch.uint8)
     buffer = scratch("int4 dequantized", (width, in_features), torch.float32)
     rounded = buffer if dtype == torch.float32 else scratch("int4 rounded", (width, in_features), dtype)
-    y = torch.empty(len(rows), out_features, dtype=dtype)
     for start in range(0, out_features, step):
         tiles = packed[start : start + step].view(-1, in_features, half)  # (blocks, inputs, half a block's rows)
         count = len(tiles)
@@ -102,5 +133,5 @@ def widened_int4_in_blocks(
         scale, zero = (scales_and_zeros[:, start : start + width, i].t().float()[..., None] for i in (0, 1))
         buffer[:width].view(width, -1, group_size).mul_(scale).add_(zero)
         weight = buffer[:width] if rounded is buffer else rounded[:width].copy_(buffer[:width])
-        torch.matmul(rows, weight.t(), out=y[:, start : start + width])
-    return y.to(x.dtype).view(*x.shape[:-1], out_features)
+        products.put(weight, start)
+    return products.result().to(x.dtype).view(*x.shape[:-1], out_features)
