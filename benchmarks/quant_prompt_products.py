@@ -8,13 +8,14 @@ Per weight (out_features x in_features) and row count, the median milliseconds o
 - bfloat16 `F.linear` on the plain weight, and on oneDNN's prepacked copy (`torch.ops.mkldnn._linear_pointwise`,
   what `llama.runtime.cpu` makes for a bfloat16 model where it measures faster);
 - int8 as `llama.quantize` runs prompts today: the weight widened a block of rows at a time into one reused buffer,
-  each block through `F.linear` (`widened_in_blocks`), and PyTorch's weight-only int8 kernel
-  (`aten._weight_int8pack_mm`);
+  each block's product x W^T (`widened_in_blocks`) or W x^T ("left", as `widened_left` runs it), and PyTorch's
+  weight-only int8 kernel (`aten._weight_int8pack_mm`);
 - widening alone: every int8 value to bfloat16, a block at a time (the least any widening product pays);
 - integers: the activations quantized to int8 per row, then `torch._int_mm` (int8 x int8 -> int32), the way
   llama.cpp's Q8_0 multiplies. It changes the numbers (8-bit activations), so it is a lead, not a kernel here;
 - int4 (groups of 32) as `llama.quantize` runs prompts: PyTorch's int4 kernel (`_weight_int4pack_mm_for_cpu`), and
-  the weight dequantized a block at a time for the CPU's matrix kernels (`widened_int4_in_blocks`).
+  the weight dequantized a block at a time for the CPU's matrix kernels (`widened_int4_in_blocks`), each block's
+  product x W^T or W x^T ("left").
 """
 
 import argparse
@@ -57,8 +58,8 @@ def main() -> None:
     from llama.runtime.cpu import cpu_name
 
     print(f"CPU: {cpu_name()}; {torch.get_num_threads()} threads; median ms of {opts.repeats} runs")
-    columns = ["bf16 plain", "bf16 prepacked", "int8 widened", "int8 kernel", "widening alone", "int8 x int8"]
-    columns += ["int4 kernel", "int4 widened"]
+    columns = ["bf16 plain", "bf16 prepacked", "int8 widened", "int8 left", "int8 kernel", "widening alone"]
+    columns += ["int8 x int8", "int4 kernel", "int4 widened", "int4 left"]
     print(f"{'weight':>10} {'rows':>5} " + " ".join(f"{c:>15}" for c in columns))
     generator = torch.Generator().manual_seed(0)
     for name, (out_features, in_features) in SHAPES.items():
@@ -76,11 +77,13 @@ def main() -> None:
                 lambda: F.linear(x, weight),
                 lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
                 lambda: widened_in_blocks(x, q, scales),
+                lambda: widened_in_blocks(x, q, scales, left=True),
                 lambda: int8_kernel_product(x, q, scales),
                 lambda: [buffer[: len(block)].copy_(block) for block in q.split(chunk_rows(in_features))],
                 lambda: integer_product(x, q_t, scales),
                 lambda: int4_cpu_product(x, int4_packed, scales_and_zeros, 32),
                 lambda: widened_int4_in_blocks(x, int4_packed, scales_and_zeros, 32),
+                lambda: widened_int4_in_blocks(x, int4_packed, scales_and_zeros, 32, left=True),
             ]
             figures = [median_ms(product, opts.repeats) for product in products]
             print(f"{name:>10} {rows:>5} " + " ".join(f"{f:>15.2f}" for f in figures))

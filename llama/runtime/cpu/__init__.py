@@ -14,8 +14,9 @@ bfloat16 checkpoint) the smallest weights round by less than 3e-8. Tests hold lo
 math in float32 and greedy tokens equal. Figures: `benchmarks/bench.py`, docs/speed.md.
 
 One concern a module: `kernels` (what each kernel runs and needs), `layers` (`CPULinear`, `FusedProduct`), `cache`
-(this CPU, and what measuring found on it), `choice` (measuring and choosing) and `attention` (the kernel of one new
-position's attention, measured likewise). `llama.runtime` applies them to a loaded model.
+(this CPU, and what measuring found on it), `choice` (measuring and choosing), `attention` (the kernel of one new
+position's attention, measured likewise) and `widened` (the quantized weights' products for a prompt's rows, which
+`llama.runtime.quantized_kernels` chooses among). `llama.runtime` applies them to a loaded model.
 """
 
 from llama.runtime.cpu.attention import attention_kernel, matmul_attention_from
