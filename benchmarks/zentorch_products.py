@@ -8,7 +8,7 @@ products the library runs, and its accuracy on SmolLM2-135M-Instruct. Not used b
     python benchmarks/zentorch_products.py --smooth 0.5           # accuracy with SmoothQuant-style scales too
 
 Speed: Llama 3.2 1B's w1 shape (8192 x 2048), six weights of it read in turn so each comes from memory, the median
-of 15 rounds after 2, in ms per weight, at 1, 8, 64 and 512 rows: `zentorch_dynamic_qlinear`, PyTorch's weight-only
+of 15 rounds after 1, in ms per weight, at 1, 8, 64 and 512 rows: `zentorch_dynamic_qlinear`, PyTorch's weight-only
 int8 kernel (`_weight_int8pack_mm`, our "int8") and oneDNN's bfloat16 product on its prepacked weight (what our
 bfloat16 prompts run on). Accuracy: quant_accuracy.py's teacher-forced text, bfloat16 against our int8 and against
 the same int8 layers multiplied by zentorch, with llama.cpp's Q8_0 beside them where llama_cpp is importable.
@@ -21,9 +21,7 @@ the first one's weights (a perplexity in the millions): each model here runs aft
 """
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,20 +31,10 @@ import quant_accuracy  # noqa: E402
 
 from llama.quantize import quantize_int8  # noqa: E402
 from llama.runtime.quantized import Int8Linear  # noqa: E402
+from llama.runtime.timing import median_seconds  # noqa: E402
 
 ROWS = (1, 8, 64, 512)
 WEIGHTS = 6
-
-
-def median_ms(fn, rounds: int = 15) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def speed() -> None:
@@ -64,7 +52,7 @@ def speed() -> None:
             lambda: [torch.ops.aten._weight_int8pack_mm(x, q, s) for q, s in int8],
             lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in prepacked],
         ]
-        figures = [median_ms(product) / WEIGHTS for product in products]
+        figures = [median_seconds(product, 15) * 1e3 / WEIGHTS for product in products]
         print(f"{rows:>5} {figures[0]:>22.3f} {figures[1]:>16.3f} {figures[2]:>19.3f}")
 
 
