@@ -63,7 +63,7 @@ def zentorch_matmul(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def input_absmax(model, tokens) -> dict:
-    """Each linear layer's largest input magnitude per input channel over `tokens` (windows of 512)."""
+    """Each linear layer's largest input magnitude per input channel over `tokens`, in quant_accuracy.py's windows."""
     found, hooks = {}, []
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
@@ -74,8 +74,7 @@ def input_absmax(model, tokens) -> dict:
 
             hooks.append(module.register_forward_hook(record))
     with torch.no_grad():
-        for start in range(0, len(tokens) - 1, 511):
-            model.forward(torch.tensor([tokens[start : start + 512]]), 0)
+        quant_accuracy.next_token_logprobs(model, tokens)
     for hook in hooks:
         hook.remove()
     return found
@@ -98,10 +97,12 @@ def smooth(model, params: dict, absmax: dict, alpha: float) -> None:
     with torch.no_grad():
         for i, block in enumerate(model.layers):
             att, ff = block.attention, block.feed_forward
-            normed = [(block.attention_norm, (att.wq, att.wk, att.wv)), (block.ffn_norm, (ff.w1, ff.w3))]
-            for norm, layers in normed:  # each norm's output is its layers' input
-                name = next(n for n, m in model.named_modules() if m is layers[0])
-                s = scales(absmax[name], column_max(*layers))
+            normed = [
+                (block.attention_norm, (att.wq, att.wk, att.wv), "attention.wq"),
+                (block.ffn_norm, (ff.w1, ff.w3), "feed_forward.w1"),
+            ]
+            for norm, layers, first in normed:  # each norm's output is its layers' input
+                s = scales(absmax[f"layers.{i}.{first}"], column_max(*layers))
                 scale_(norm.weight, 1 / s)
                 for layer in layers:
                     scale_(layer.weight, s)

@@ -189,8 +189,7 @@ class Int4Linear(QuantizedLinear):
     the weight widened to the activations' dtype by one compiled kernel, then `F.linear`: for a prompt's rows, a
     product at the GPU's speed is worth one pass over the weight. It reads the values as quantized (`nibbles`,
     `group_scales`, `group_zeros`), which a GPU layer holds until the runtime's measurement finds whether any row
-    count needs them
-    (`drop_unused_copies`)."""
+    count needs them (`drop_unused_copies`)."""
 
     CPU_DEFAULT = GPU_DEFAULT = "tinygemm"
 

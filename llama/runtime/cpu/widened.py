@@ -69,8 +69,9 @@ def widened_in_blocks(
     (AVX2)."""
     dtype = dtype or x.dtype
     step = chunk_rows(q.shape[1])
-    products = BlockProducts(x.reshape(-1, x.shape[-1]).to(dtype), q.shape[0], min(step, q.shape[0]), left)
-    buffer = scratch("int8 widened", (min(step, q.shape[0]), q.shape[1]), dtype)
+    widest = min(step, q.shape[0])
+    products = BlockProducts(x.reshape(-1, x.shape[-1]).to(dtype), q.shape[0], widest, left)
+    buffer = scratch("int8 widened", (widest, q.shape[1]), dtype)
     for start in range(0, q.shape[0], step):
         block = q[start : start + step]
         products.put(buffer[: len(block)].copy_(block), start)
@@ -116,11 +117,11 @@ def widened_int4_in_blocks(
     half = block_rows // 2
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
     step = max(block_rows, chunk_rows(in_features) // block_rows * block_rows)
-    width = min(step, out_features)
-    products = BlockProducts(x.reshape(-1, x.shape[-1]).to(dtype), out_features, width, left)
-    nibbles = scratch("int4 nibbles", (width // block_rows, half, in_features), torch.uint8)
-    buffer = scratch("int4 dequantized", (width, in_features), torch.float32)
-    rounded = buffer if dtype == torch.float32 else scratch("int4 rounded", (width, in_features), dtype)
+    widest = min(step, out_features)
+    products = BlockProducts(x.reshape(-1, x.shape[-1]).to(dtype), out_features, widest, left)
+    nibbles = scratch("int4 nibbles", (widest // block_rows, half, in_features), torch.uint8)
+    buffer = scratch("int4 dequantized", (widest, in_features), torch.float32)
+    rounded = buffer if dtype == torch.float32 else scratch("int4 rounded", (widest, in_features), dtype)
     for start in range(0, out_features, step):
         tiles = packed[start : start + step].view(-1, in_features, half)  # (blocks, inputs, half a block's rows)
         count = len(tiles)
