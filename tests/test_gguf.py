@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from llama import Llama
 from llama.checkpoint import model_args_from, open_checkpoint
 from llama.checkpoint.convert import hf_to_meta, to_gguf
+from llama.runtime.quantized_kernels import CPU_INT4_PRODUCTS
 from llama.tokenizer import Tokenizer
 
 gguf = import_or_skip("gguf", "pip install -e '.[test]'")
@@ -340,7 +341,7 @@ def test_a_4_bit_file_s_other_layers_load_dequantized_and_the_load_report_says_s
     assert len(per_rows) > 1, kernels
     for part in per_rows:
         counts = {kernel: int(n) for kernel, n in (item.rsplit(" ", 1) for item in part.split(": ")[1].split(", "))}
-        int4_counts = sum(counts.get(name, 0) for name in ("tinygemm", "widened", "widened32"))
+        int4_counts = sum(counts.get(name, 0) for name in CPU_INT4_PRODUCTS)
         assert int4_counts == 14 and sum(counts.values()) == 15, kernels
     hf_to_meta(mixed, tmp_path / "dequantized")  # every layer as the file's values, in float32
     expected = Llama.build(str(tmp_path / "dequantized"), tokenizer_path, **build)
