@@ -24,6 +24,7 @@ from llama.quantize import (
     unpack_nibbles,
     whole_shape,
 )
+from llama.runtime.cpu.integer import pack_int8, split_product, split_product_available
 from llama.runtime.cpu.kernels import onednn_bf16_supported
 from llama.runtime.cpu.widened import cpu_int4_block_rows, widened_in_blocks, widened_int4_in_blocks
 from llama.runtime.parallel_layers import MeasuredLinear, ParallelLinear, vocab_parallel_lookup
@@ -31,7 +32,7 @@ from llama.runtime.parallel_layers import MeasuredLinear, ParallelLinear, vocab_
 # The names of the ways a quantized layer computes its product (`QuantizedLinear.products`), across schemes and
 # devices.
 QUANTIZED_PRODUCTS = (
-    *("int8", "widened", "widened32", "widened_left", "widened32_left"),
+    *("int8", "split", "widened", "widened32", "widened_left", "widened32_left"),
     *("fused", "tinygemm", "dequantized"),
 )
 
@@ -128,10 +129,11 @@ class Int8Linear(QuantizedLinear):
 
     Products: "int8", PyTorch's int8 kernel (the CPU's default); "widened", the weight widened to the activations'
     dtype inside `F.linear` (the GPU's default, and what a compiled step fuses into one pass; on the CPU a block of
-    rows at a time, for prompts, where oneDNN multiplies bfloat16); on the CPU "widened32", the same in float32, and
+    rows at a time, for prompts, where oneDNN multiplies bfloat16); on the CPU "widened32", the same in float32,
     "widened_left" and "widened32_left", both with the weight on the left of each block's product
-    (`llama.runtime.cpu.widened`); on a GPU "fused", that product compiled on its own, for one row, where
-    torch.compile reads each int8 weight once."""
+    (`llama.runtime.cpu.widened`), and "split", in integers on fbgemm's copy of the weight
+    (`llama.runtime.cpu.integer`, made once the load chooses it: `make_chosen_copies`); on a GPU "fused", that
+    product compiled on its own, for one row, where torch.compile reads each int8 weight once."""
 
     CPU_DEFAULT, GPU_DEFAULT = "int8", "widened"
 
@@ -140,12 +142,15 @@ class Int8Linear(QuantizedLinear):
         del self.weight
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales)
+        self.packed = None  # fbgemm's copy of the weight, for the "split" product
         self.out_features, self.in_features = q.shape  # this process's slice
 
     def products(self, rows: int) -> dict:
         if self.weight.device.type == "cpu":
             products = {"int8": self.int8_product, "widened32": self.widened32_product}
             products["widened32_left"] = self.widened32_left_product
+            if split_product_available():
+                products["split"] = self.split_product
             if onednn_bf16_supported():  # as int4's: on AVX2 a bfloat16 product of the buffer never wins
                 products.update(widened=self.widened_product, widened_left=self.widened_left_product)
             return products
@@ -174,8 +179,17 @@ class Int8Linear(QuantizedLinear):
     def widened32_left_product(self, x: torch.Tensor) -> torch.Tensor:
         return widened_in_blocks(x, self.weight, self.scales, torch.float32, left=True)
 
+    def split_product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            self.make_chosen_copies(["split"])
+        return split_product(x, self.packed)
+
     def fused_product(self, x: torch.Tensor) -> torch.Tensor:
         return compiled_on_cuda(widened_int8_product, x, self.weight, self.scales)
+
+    def make_chosen_copies(self, chosen) -> None:
+        """Make fbgemm's copy of the weight if the products `chosen` use it, and free it if not."""
+        self.packed = pack_int8(self.weight, self.scales) if "split" in chosen else None
 
 
 class Int4Linear(QuantizedLinear):

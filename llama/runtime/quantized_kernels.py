@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from llama.runtime.cpu.cache import KernelCache, Measured
+from llama.runtime.cpu.integer import pack_int8, split_product
 from llama.runtime.cpu.widened import cpu_int4_block_rows, widened_in_blocks, widened_int4_in_blocks
 from llama.runtime.quantized import (
     QUANTIZED_PRODUCTS,
@@ -41,6 +42,7 @@ CPU_TIMED_ROWS = (1, 8, 64, 256)
 CPU_SAMPLE_VALUES = 2**22
 CPU_INT8_PRODUCTS = {
     "int8": int8_kernel_product,
+    "split": split_product,  # on fbgemm's copy of the sample (`cpu_timings`), not on the sample itself
     "widened": widened_in_blocks,
     "widened32": functools.partial(widened_in_blocks, dtype=torch.float32),
     "widened_left": functools.partial(widened_in_blocks, left=True),
@@ -77,6 +79,8 @@ def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Dict[int, str]]:
         layer.kernels = choices[key]  # copied in order by `MeasuredLinear.kernels`
         if isinstance(layer, Int4Linear):
             layer.drop_unused_copies()
+        elif layer.weight.device.type == "cpu":
+            layer.make_chosen_copies(set(layer.kernels.values()))
     cache.save()
     return choices
 
@@ -119,9 +123,12 @@ def cpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
     for int4 whole blocks of its kernel's layout): each output row is computed alone, so its time per weight is the
     whole weight's."""
     sample = max(1, CPU_SAMPLE_VALUES // layer.in_features)
+    values_of = {}
     if isinstance(layer, Int8Linear):
         values = dict(q=layer.weight[:sample], scales=layer.scales[:sample])
         products = CPU_INT8_PRODUCTS
+        if "split" in layer.products(rows):
+            values_of["split"] = dict(packed=pack_int8(**values))
     else:
         block_rows = cpu_int4_block_rows()
         sample = max(block_rows, sample // block_rows * block_rows)
@@ -130,7 +137,11 @@ def cpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
         products = CPU_INT4_PRODUCTS
     x = torch.randn(rows, layer.in_features, dtype=layer.activation_dtype())
     offered = layer.products(rows)
-    calls = {name: functools.partial(product, **values) for name, product in products.items() if name in offered}
+    calls = {
+        name: functools.partial(product, **values_of.get(name, values))
+        for name, product in products.items()
+        if name in offered
+    }
     return product_timings(calls, x, 3)
 
 

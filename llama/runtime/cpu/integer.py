@@ -1,0 +1,90 @@
+"""An int8 weight's product in integers on the CPU ("split"): each row of activations split into two parts of 7-bit
+integers, both multiplied by the weight in one call of fbgemm's integer kernel, the two results scaled and added.
+
+PyTorch's weight-only int8 kernel multiplies in floating point and is bound by that arithmetic on one row (half the
+memory's speed or less, docs/quantize.md). fbgemm multiplies 8-bit activations by 8-bit weights in integers at
+memory speed, but rounds each call's activations to 8 bits, far from the weight-only accuracy. Here the activations
+are instead written exactly enough as two integer rows: a coarse part, each value rounded to a 63rd of its row's
+largest magnitude, and a fine part, what the coarse one leaves rounded to a 126th of that step. What is lost is at
+most 1/16,000 of the row's largest magnitude, against bfloat16's own rounding of each value by up to 1/512 of it.
+Two rows cost one row's time where reading the weight is what takes the time.
+
+Seven bits, not eight: fbgemm's AVX2 kernels add pairs of products in 16 bits, exact only for activations below 128.
+Integer sums are exact, so the result does not depend on the thread count. PyTorch reaches fbgemm only through its
+quantized tensors, which it has deprecated: only this module touches them, and where they are gone (or give other
+than exact integer sums) the product is not offered (`split_product_available`).
+"""
+
+import functools
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+LEVELS = 63  # each part's largest level: activations in [1, 127] once ZERO_POINT is added
+ZERO_POINT = 64
+FINE_STEPS = 2 * LEVELS  # the fine part's steps in one coarse step
+
+
+@contextmanager
+def fbgemm_engine():
+    """PyTorch's quantized engine set to fbgemm (whose packed weights `split_product` needs), and its deprecation
+    warnings silenced, for the duration."""
+    engine = torch.backends.quantized.engine
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.backends.quantized.engine = "fbgemm"
+        try:
+            yield
+        finally:
+            torch.backends.quantized.engine = engine
+
+
+def pack_int8(q: torch.Tensor, scales: torch.Tensor):
+    """fbgemm's packed copy of an int8 weight (`q`, out x in) and its scales, one per output."""
+    with fbgemm_engine():
+        zero_points = torch.zeros(len(q), dtype=torch.long)
+        weight = torch._make_per_channel_quantized_tensor(q, scales.double(), zero_points, 0)
+        return torch.ops.quantized.linear_prepack(weight, None)
+
+
+def split_activations(rows: torch.Tensor):
+    """(coarse and fine parts stacked, integers in [-LEVELS, LEVELS] held in float32; their steps) of float32 `rows`,
+    one step each per row: rows == coarse * coarse_step + fine * fine_step, to within fine_step / 2."""
+    coarse_step = rows.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / LEVELS
+    coarse = torch.div(rows, coarse_step).round_()
+    fine_step = coarse_step / FINE_STEPS
+    fine = torch.addcmul(rows, coarse, coarse_step, value=-1).div_(fine_step).round_().clamp_(-LEVELS, LEVELS)
+    return torch.cat([coarse, fine]), coarse_step, fine_step
+
+
+def integer_sums(levels: torch.Tensor, packed) -> torch.Tensor:
+    """fbgemm's product of `levels` (integers in [-LEVELS, LEVELS], held in float32) and a weight packed by
+    `pack_int8`: each output's sum of products in integers, times the output's scale, in float32."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(levels, 1.0, ZERO_POINT, packed)
+
+
+def split_product(x: torch.Tensor, packed) -> torch.Tensor:
+    """The product of `x` and a weight packed by `pack_int8`, in `x`'s dtype (see the module's docstring)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    parts, coarse_step, fine_step = split_activations(rows)
+    sums = integer_sums(parts, packed)
+    coarse, fine = sums[: len(rows)], sums[len(rows) :]
+    y = torch.addcmul(coarse.mul_(coarse_step), fine, fine_step)
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+@functools.cache
+def split_product_available() -> bool:
+    """Whether this torch reaches fbgemm's integer product, and it sums the largest levels exactly here: weights
+    of int8's extremes times activations of the parts' extremes, against the same sums in float64."""
+    q = torch.tensor([[127, 127], [-128, -128], [127, -127], [-128, 127]], dtype=torch.int8).repeat(4, 128)
+    scales = torch.tensor([0.5, 1.0, 2.0, 4.0]).repeat(len(q) // 4)  # powers of 2: exact products
+    levels = torch.tensor([[LEVELS, LEVELS], [-LEVELS, -LEVELS], [LEVELS, -LEVELS]], dtype=torch.float32).repeat(1, 128)
+    try:
+        sums = integer_sums(levels, pack_int8(q, scales))
+    except (AttributeError, RuntimeError):  # no quantized ops in this build, or no fbgemm on this CPU
+        return False
+    return torch.equal(sums.double(), (levels.double() @ q.double().t()) * scales.double())

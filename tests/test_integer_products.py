@@ -1,0 +1,118 @@
+"""int8 weights multiplied in integers on the CPU ("split", `llama.runtime.cpu.integer`): the activations split
+into two parts of 7-bit levels, both multiplied by fbgemm's integer kernel. What a user relies on: the product is the
+weight-only product but for a rounding of the activations bounded by 1/16,002 of each row's largest magnitude; it
+does not depend on the thread count; the load offers it only where fbgemm's sums are exact, and chooses among the
+other products without it."""
+
+import pytest
+import torch
+from fairscale.nn.model_parallel.layers import ColumnParallelLinear
+
+from llama.quantize import dequantize
+from llama.runtime.cpu import integer
+from llama.runtime.cpu.integer import pack_int8, split_activations, split_product, split_product_available
+from llama.runtime.quantized import quantize_layer
+
+pytestmark = pytest.mark.skipif(not split_product_available(), reason="this torch build has no fbgemm")
+
+BOUND = 1 / (63 * 126 * 2)  # the split's largest error, as a share of the row's largest magnitude
+
+
+def hard_rows() -> torch.Tensor:
+    """Rows that stress a per-row split: plain, one outlier, all one sign, all zero, tiny, huge, a value at a
+    half-level."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(8, 256, generator=g)
+    rows[1, 17] = 300.0
+    rows[2] = rows[2].abs()
+    rows[3] = 0.0
+    rows[4] *= 1e-30
+    rows[5] *= 1e30
+    rows[6, :2] = torch.tensor([63.0, 0.5])  # 0.5 is half a coarse step of this row
+    return rows
+
+
+def test_the_two_parts_rebuild_each_row_to_within_half_a_fine_step():
+    rows = hard_rows()
+    parts, coarse_step, fine_step = split_activations(rows)
+    coarse, fine = parts[: len(rows)], parts[len(rows) :]
+    for levels in (coarse, fine):
+        assert torch.equal(levels, levels.round()) and levels.abs().max() <= 63
+    rebuilt = coarse.double() * coarse_step.double() + fine.double() * fine_step.double()
+    absmax = rows.abs().amax(-1, keepdim=True).double()
+    assert ((rebuilt - rows.double()).abs() <= absmax * BOUND * 1.001).all()
+    assert torch.equal(rebuilt[3], torch.zeros(256, dtype=torch.float64))
+
+
+def test_the_split_product_is_the_weight_s_product_within_the_split_s_bound():
+    """Weights at int8's extremes and the hard rows: each output within the bound its rounding allows, sum over the
+    inputs of |w| times the row's bound, and float32's own rounding of the sums."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (96, 256), dtype=torch.int8, generator=g)
+    q[0], q[1] = 127, -128
+    scales = torch.rand(96, generator=g) + 0.5
+    rows = hard_rows()
+    weight = dequantize(q, scales).double()
+    exact = rows.double() @ weight.t()
+    bound = rows.abs().amax(-1, keepdim=True).double() * BOUND * weight.abs().sum(-1)
+    y = split_product(rows, pack_int8(q, scales))
+    assert y.dtype == torch.float32 and y.shape == (8, 96)
+    error = (y.double() - exact).abs()
+    assert (error <= bound * 1.001 + exact.abs() * 1e-6).all(), (error / bound).max()
+
+
+def test_the_split_product_gives_the_same_bits_on_one_thread_and_on_two():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-127, 128, (2048, 1024), dtype=torch.int8, generator=g)
+    packed, x = pack_int8(q, torch.rand(2048, generator=g)), torch.randn(64, 1024, generator=g).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = split_product(x, packed)
+        torch.set_num_threads(2)
+        two = split_product(x, packed)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def int8_layer():
+    layer = ColumnParallelLinear(128, 64, bias=False, gather_output=False, init_method=lambda x: x)
+    layer.weight.data.copy_(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) * 0.05)
+    return quantize_layer(layer, "int8")
+
+
+def test_the_copy_for_fbgemm_is_made_only_where_a_chosen_product_reads_it(process_group):
+    layer = int8_layer()
+    layer.make_chosen_copies({"int8", "widened32"})
+    assert layer.packed is None
+    layer.make_chosen_copies({"split", "int8"})
+    x = torch.randn(3, 128)
+    expected = x @ dequantize(layer.weight, layer.scales).t()
+    torch.testing.assert_close(layer.split_product(x), expected, atol=2e-4, rtol=0)
+    layer.make_chosen_copies({"int8"})
+    assert layer.packed is None
+
+
+@pytest.mark.parametrize("fault", ["no fbgemm", "inexact sums"])
+def test_where_fbgemm_is_missing_or_inexact_split_is_not_offered(process_group, monkeypatch, fault):
+    """No quantized engine (a build without fbgemm, or PyTorch's quantized tensors gone), or sums that are not the
+    integers' (as fbgemm's AVX2 kernels would give for 8-bit levels): the load chooses among the other products."""
+    if fault == "no fbgemm":
+
+        def sums(levels, packed):
+            raise RuntimeError("Didn't find engine for operation quantized::linear_prepack")
+
+    else:
+        real = integer.integer_sums
+
+        def sums(levels, packed):
+            return real(levels.clamp(-60, 60), packed)  # as if the largest levels were cut short
+
+    monkeypatch.setattr(integer, "integer_sums", sums)
+    split_product_available.cache_clear()
+    try:
+        assert not split_product_available()
+        assert "split" not in int8_layer().products(1)
+    finally:
+        split_product_available.cache_clear()
