@@ -13,12 +13,14 @@ CPU's float kernels): every later load on this machine runs the same products an
 import functools
 import os
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
 from llama.runtime.cpu.cache import KernelCache, Measured
+from llama.runtime.cpu.choice import CacheFlush
 from llama.runtime.cpu.integer import pack_int8, split_product
 from llama.runtime.cpu.widened import cpu_int4_block_rows, widened_in_blocks, widened_int4_in_blocks
 from llama.runtime.quantized import (
@@ -36,13 +38,19 @@ from llama.runtime.timing import graph_seconds_or_first, time_kernels, timed
 TIMED_ROWS = (1, 8, 64, 512)
 # On the CPU: a decode step's row count, a batch's, a short prompt, a prompt as the float kernels time it.
 CPU_TIMED_ROWS = (1, 8, 64, 256)
-# Weights a CPU product is timed on: enough that a widened product's fixed costs per call weigh little, as on a
-# whole weight; on 2**20, timed between the other products, int4's widened product took 1.5x as long a weight as
-# it does alone.
+# Weights a CPU product is timed on for a prompt's rows: enough that a widened product's fixed costs per call weigh
+# little, as on a whole weight; on 2**20, timed between the other products, int4's widened product took 1.5x as long
+# a weight as it does alone.
 CPU_SAMPLE_VALUES = 2**22
+# For a decode step's rows and a batch's (fewer than CPU_PROMPT_ROWS): as many as a large weight of Llama 3.2 1B,
+# each product on a copy of its own, the caches flushed before each round, as a decode step reads each weight from
+# memory. On a sample in the cache the one-row products rank by their arithmetic and fixed costs instead: PyTorch's
+# int8 kernel took half the "split" product's time there, and 1.5 times it from memory.
+CPU_DECODE_SAMPLE_VALUES = 2**24
+CPU_PROMPT_ROWS = 64
 CPU_INT8_PRODUCTS = {
     "int8": int8_kernel_product,
-    "split": split_product,  # on fbgemm's copy of the sample (`cpu_timings`), not on the sample itself
+    "split": split_product,  # on fbgemm's copy of the sample (`cpu_timings`)
     "widened": widened_in_blocks,
     "widened32": functools.partial(widened_in_blocks, dtype=torch.float32),
     "widened_left": functools.partial(widened_in_blocks, left=True),
@@ -55,10 +63,10 @@ CPU_INT4_PRODUCTS = {
     "widened_left": functools.partial(widened_int4_in_blocks, left=True),
     "widened32_left": functools.partial(widened_int4_in_blocks, dtype=torch.float32, left=True),
 }
-# Part of each CPU product's cache key, raised when a product's code changes its speed (2: the widened products'
-# buffers reused from call to call, int4's unpacked outputs by inputs, the "_left" products added): timings cached
-# before no longer hold.
-CPU_PRODUCTS_REVISION = 2
+# Part of each CPU product's cache key, raised when a product's code changes its speed or how it is timed (2: the
+# widened products' buffers reused from call to call, int4's unpacked outputs by inputs, the "_left" products added;
+# 3: a decode step's products timed from memory, "split" added): timings cached before no longer hold.
+CPU_PRODUCTS_REVISION = 3
 PRODUCT_VARIABLE = "LLAMA_QUANTIZED_PRODUCT"  # pins one product (`pinned_product`)
 SCREEN = 4  # products more than this many times slower than the best at a first, eager call are not timed further
 
@@ -66,9 +74,11 @@ SCREEN = 4  # products more than this many times slower than the best at a first
 def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Dict[int, str]]:
     """Step 5: set each quantized layer's `kernels` where it has more than one product (on a GPU every one; on the
     CPU the int8 and int4 ones), chosen once per (type, weight shape) from the kernel cache or timed; free the int4
-    weights' second copies no chosen product reads. Returns the choices by (type name, out, in)."""
+    weights' second copies no chosen product reads, and make fbgemm's copies of the int8 weights whose chosen
+    products read them ("split"; fbgemm packs on one core, so a layer per thread). Returns the choices by (type name,
+    out, in)."""
     cache = KernelCache()
-    choices = {}
+    choices, int8_on_cpu = {}, []
     for layer in model.modules():
         if not isinstance(layer, QuantizedLinear) or len(layer.products(2)) < 2:
             continue  # one way to compute it: nothing to choose
@@ -80,8 +90,10 @@ def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Dict[int, str]]:
         if isinstance(layer, Int4Linear):
             layer.drop_unused_copies()
         elif layer.weight.device.type == "cpu":
-            layer.make_chosen_copies(set(layer.kernels.values()))
+            int8_on_cpu.append(layer)
     cache.save()
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        list(pool.map(lambda layer: layer.make_chosen_copies(set(layer.kernels.values())), int8_on_cpu))
     return choices
 
 
@@ -119,30 +131,30 @@ def pinned_product(layer: QuantizedLinear) -> Optional[str]:
 
 
 def cpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
-    """Each CPU product's time for `rows` rows, timed on the weight's first rows (about `CPU_SAMPLE_VALUES` weights;
-    for int4 whole blocks of its kernel's layout): each output row is computed alone, so its time per weight is the
-    whole weight's."""
-    sample = max(1, CPU_SAMPLE_VALUES // layer.in_features)
-    values_of = {}
+    """Each CPU product's time for `rows` rows, timed on the weight's first rows (for int4 whole blocks of its
+    kernel's layout): each output row is computed alone, so its time per weight is the whole weight's. For a
+    decode step's rows, on a larger sample read from memory (`CPU_DECODE_SAMPLE_VALUES`)."""
+    decoding = rows < CPU_PROMPT_ROWS
+    sample = max(1, (CPU_DECODE_SAMPLE_VALUES if decoding else CPU_SAMPLE_VALUES) // layer.in_features)
+    offered = layer.products(rows)
     if isinstance(layer, Int8Linear):
         values = dict(q=layer.weight[:sample], scales=layer.scales[:sample])
         products = CPU_INT8_PRODUCTS
-        if "split" in layer.products(rows):
-            values_of["split"] = dict(packed=pack_int8(**values))
     else:
         block_rows = cpu_int4_block_rows()
         sample = max(block_rows, sample // block_rows * block_rows)
         scales_and_zeros = layer.scales_and_zeros[:, :sample]
         values = dict(packed=layer.weight[:sample], scales_and_zeros=scales_and_zeros, group_size=layer.group_size)
         products = CPU_INT4_PRODUCTS
+    calls = {}
+    for name in [name for name in products if name in offered]:
+        if name == "split":  # on fbgemm's copy of the sample
+            own = dict(packed=pack_int8(**values))
+        else:  # decoding, each on a copy of its own, which no other product's call brings into the cache
+            own = {k: v.clone() if decoding and isinstance(v, torch.Tensor) else v for k, v in values.items()}
+        calls[name] = functools.partial(products[name], **own)
     x = torch.randn(rows, layer.in_features, dtype=layer.activation_dtype())
-    offered = layer.products(rows)
-    calls = {
-        name: functools.partial(product, **values_of.get(name, values))
-        for name, product in products.items()
-        if name in offered
-    }
-    return product_timings(calls, x, 3)
+    return product_timings(calls, x, 3, CacheFlush() if decoding else None)
 
 
 def gpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
@@ -155,11 +167,14 @@ def fastest(products: Dict[str, Callable], x: torch.Tensor, repeats: int = 5) ->
     return product_timings(products, x, repeats).fastest()
 
 
-def product_timings(products: Dict[str, Callable], x: torch.Tensor, repeats: int = 5) -> Measured:
+def product_timings(
+    products: Dict[str, Callable], x: torch.Tensor, repeats: int = 5, flush: Optional[Callable] = None
+) -> Measured:
     """The seconds each product takes to run `x`; one that raises (no such kernel on this device or build) is out of
     the running. On the CPU, each one's fastest and median of `repeats` rounds (`time_kernels`, the float kernels'
     timer). On CUDA each is timed as a recorded CUDA graph (`gpu_seconds`), as a decode step runs, unless its first
-    call took `SCREEN` times the best first call: that call's time is then its figure."""
+    call took `SCREEN` times the best first call: that call's time is then its figure. `flush` (CPU only) is called
+    before each round."""
     on_cpu = x.device.type == "cpu"
     calls, first = {}, {}
     for name, product in products.items():
@@ -174,7 +189,7 @@ def product_timings(products: Dict[str, Callable], x: torch.Tensor, repeats: int
     if not calls:
         raise ValueError(f"None of the products {sorted(products)} runs on {x.device}")
     if on_cpu:
-        (rounds,) = time_kernels([calls], None, repeats)
+        (rounds,) = time_kernels([calls], flush, repeats)
         return Measured({k: min(r) for k, r in rounds.items()}, {k: statistics.median(r) for k, r in rounds.items()})
     seconds = dict(first)
     for name in [name for name in calls if first[name] <= SCREEN * min(first.values())]:
