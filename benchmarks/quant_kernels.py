@@ -7,7 +7,8 @@ For each shape it makes every weight a decode step multiplies by (q, k, v, o and
 each layer, then the output head), random, in four forms: bfloat16 on PyTorch's matrix-vector product
 (`llama.runtime.cpu.CPULinear` on "mv"), bfloat16 on a float16 copy (`CPULinear` on "fp16", which a bfloat16 model runs
 where it measures fastest; x86 only), and the int8 and int4 layers
-`llama.quantize` makes. It then times one bfloat16 row through all of them in a step's order, as a step reads
+`llama.quantize` makes, int8 both on PyTorch's kernel and on "split" (in integers on fbgemm,
+`llama.runtime.cpu.integer`). It then times one bfloat16 row through all of them in a step's order, as a step reads
 them (from memory, not from cache), and the head alone. The ratio of the step times is the most a form can speed
 up a decode step of that shape over the plain bfloat16 product, however small everything else in the step
 becomes. Figures: median of --steps steps.
@@ -27,10 +28,13 @@ from bench import GRID, SHAPES  # noqa: E402
 from llama.distributed import init_model_parallel  # noqa: E402
 from llama.model import ModelArgs  # noqa: E402
 from llama.runtime.cpu import CPULinear, fbgemm_fp16_supported  # noqa: E402
+from llama.runtime.cpu.integer import split_product_available  # noqa: E402
 from llama.runtime.quantized import quantize_layer  # noqa: E402
 from llama.runtime.timing import median_seconds  # noqa: E402
 
-FORMS = ("bfloat16", "float16 copy", "int8", "int4") if fbgemm_fp16_supported() else ("bfloat16", "int8", "int4")
+FORMS = ("bfloat16", "float16 copy") if fbgemm_fp16_supported() else ("bfloat16",)
+FORMS += ("int8", "int8 split", "int4") if split_product_available() else ("int8", "int4")
+PRODUCTS = {"int8": "int8", "int8 split": "split", "int4": "tinygemm"}  # each quantized form's one-row product
 
 
 def step_weights(shape: str) -> list:
@@ -59,7 +63,11 @@ def make_layer(form: str, weight: torch.Tensor):
         return CPULinear(layer, {1: "mv"})
     if form == "float16 copy":
         return CPULinear(layer, {1: "fp16"})  # the copy is made at the first, untimed, call
-    return quantize_layer(layer, form)
+    quantized = quantize_layer(layer, form.split()[0])
+    quantized.kernels = {1: PRODUCTS[form]}
+    if form == "int8 split":
+        quantized.make_chosen_copies(["split"])
+    return quantized
 
 
 def time_products(form: str, weights: list, steps: int):

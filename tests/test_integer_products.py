@@ -116,3 +116,29 @@ def test_where_fbgemm_is_missing_or_inexact_split_is_not_offered(process_group, 
         assert "split" not in int8_layer().products(1)
     finally:
         split_product_available.cache_clear()
+
+
+def test_a_model_loaded_on_the_split_product_gives_the_int8_kernel_s_logits_and_the_same_on_every_load(
+    tiny_checkpoint, tokenizer_path, monkeypatch
+):
+    """Pinned to "split" (as a load may choose it), a model's logits are PyTorch's int8 kernel's but for the split's
+    rounding, which moves them by less than a twentieth of what int8's own rounding of the weights does; its load
+    report names it; and a second load gives the same bits."""
+    from llama import Llama
+
+    build = dict(max_seq_len=64, max_batch_size=1, device="cpu", dtype="float32")
+    tokens = torch.tensor([[128000, 791, 6864, 315, 9822, 374]])
+
+    def load(product, **quantize):
+        monkeypatch.setenv("LLAMA_QUANTIZED_PRODUCT", product)
+        generator = Llama.build(str(tiny_checkpoint), tokenizer_path, **build, **quantize)
+        return generator.model.forward(tokens, 0)[0], str(generator.load_report)
+
+    split, report = load("split", quantize="int8")
+    assert "1 row: split" in report, report
+    assert torch.equal(load("split", quantize="int8")[0], split)
+    on_kernel, report = load("int8", quantize="int8")
+    assert "1 row: int8" in report and "split" not in report, report
+    unquantized, _ = load("")
+    split_moved, int8_moved = (split - on_kernel).abs().max(), (on_kernel - unquantized).abs().max()
+    assert 0 < split_moved < int8_moved / 20, (split_moved, int8_moved)

@@ -96,6 +96,41 @@ def products_where(faster: str) -> dict:
     return {name: (lambda x, **values: x) if name == faster else slow for name in names}
 
 
+def test_a_decode_step_s_products_are_timed_from_memory_each_on_a_weight_of_its_own(
+    process_group, tmp_path, monkeypatch
+):
+    """At one row and a batch's, every product is timed on a larger sample, a copy of its own that no other product
+    reads into the cache, which is flushed before each round: as a decode step reads each weight from memory. At a
+    prompt's rows, on a smaller sample of the weight itself."""
+    from llama.runtime import quantized_kernels
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(quantized_kernels, "CPU_DECODE_SAMPLE_VALUES", 64 * 128)  # 64 of the layer's 96 rows
+    monkeypatch.setattr(quantized_kernels, "CPU_SAMPLE_VALUES", 16 * 128)
+    flushes, weights = [], {}
+
+    def product(name):
+        def call(x, **values):
+            if "q" in values:  # "split" runs on fbgemm's copy instead
+                weights.setdefault(len(x), {})[name] = values["q"]
+            return x
+
+        return call
+
+    layer = int8_layer()
+    monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", {name: product(name) for name in layer.products(1)})
+    monkeypatch.setattr(quantized_kernels, "CacheFlush", lambda: lambda: flushes.append(len(weights)))
+    quantized_kernels.choose_quantized_kernels(layer)
+    for rows in (1, 8):
+        storages = {q.untyped_storage().data_ptr() for q in weights[rows].values()}
+        assert {len(q) for q in weights[rows].values()} == {64}
+        assert len(storages) == len(weights[rows]) and layer.weight.untyped_storage().data_ptr() not in storages
+    for rows in (64, 256):
+        assert {len(q) for q in weights[rows].values()} == {16}
+        assert {q.untyped_storage().data_ptr() for q in weights[rows].values()} == {layer.weight.data_ptr()}
+    assert len(flushes) == 6 and set(flushes) == {1, 2}  # 3 rounds each at 1 and 8 rows, none at 64 or 256
+
+
 def test_the_cpu_chooses_an_int8_product_per_row_count_by_timing_them(process_group, tmp_path, monkeypatch):
     """Timed on a sample of each weight's rows: whichever product is faster at a row count runs it."""
     from llama.runtime import quantized_kernels

@@ -1,13 +1,14 @@
 """Step 5 of `for_runtime`: each quantized weight's product chosen by timing every way to compute it
 (`QuantizedLinear.products`) at the row counts that matter: a decode step's, a batch's, a prompt's; on a GPU for
-every scheme, on the CPU for int8 (PyTorch's kernel, or the weight widened a block at a time for `F.linear`, in the
-activations' dtype or in float32, each block multiplied with the weight on the right or on the left) and int4
-(PyTorch's kernel, or widened likewise).
+every scheme, on the CPU for int8 (PyTorch's kernel; the weight widened a block at a time for `F.linear`, in the
+activations' dtype or in float32, each block multiplied with the weight on the right or on the left; or "split", in
+integers on fbgemm's copy of the weight) and int4 (PyTorch's kernel, or widened likewise).
 
 Which one is fastest depends on the device, the PyTorch build and the weight's shape (docs/cuda.md has the figures),
-so it is measured, not assumed. The products give the same values up to the order of float32 sums
-and where the widened weight is rounded, so a choice once timed is kept in the kernel cache (`KernelCache`, with the
-CPU's float kernels): every later load on this machine runs the same products and gives the same results.
+so it is measured, not assumed. The products give the same values up to the order of float32 sums, where the widened
+weight is rounded, and the split's rounding of the activations (within 1/16,002 of a row's largest magnitude), so a
+choice once timed is kept in the kernel cache (`KernelCache`, with the CPU's float kernels): every later load on this
+machine runs the same products and gives the same results.
 """
 
 import functools
