@@ -76,6 +76,17 @@ def test_the_split_product_gives_the_same_bits_on_one_thread_and_on_two():
     assert torch.equal(one, two)
 
 
+def test_a_weight_packed_in_pieces_gives_the_same_bits_as_packed_whole(monkeypatch):
+    g = torch.Generator().manual_seed(4)
+    q, scales = torch.randint(-127, 128, (100, 64), dtype=torch.int8, generator=g), torch.rand(100, generator=g)
+    x = torch.randn(3, 64, generator=g)
+    whole = pack_int8(q, scales)
+    monkeypatch.setattr(integer, "PIECE_VALUES", 30 * 64)
+    pieces = pack_int8(q, scales)
+    assert len(whole) == 1 and len(pieces) == 4  # 30, 30, 30 and 10 rows
+    assert torch.equal(split_product(x, pieces), split_product(x, whole))
+
+
 def int8_layer():
     layer = ColumnParallelLinear(128, 64, bias=False, gather_output=False, init_method=lambda x: x)
     layer.weight.data.copy_(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) * 0.05)

@@ -150,7 +150,7 @@ def cpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
     calls = {}
     for name in [name for name in products if name in offered]:
         if name == "split":  # on fbgemm's copy of the sample
-            own = dict(packed=pack_int8(**values))
+            own = dict(pieces=pack_int8(**values))
         else:  # decoding, each on a copy of its own, which no other product's call brings into the cache
             own = {k: v.clone() if decoding and isinstance(v, torch.Tensor) else v for k, v in values.items()}
         calls[name] = functools.partial(products[name], **own)

@@ -16,7 +16,8 @@ math in float32 and greedy tokens equal. Figures: `benchmarks/bench.py`, docs/sp
 One concern a module: `kernels` (what each kernel runs and needs), `layers` (`CPULinear`, `FusedProduct`), `cache`
 (this CPU, and what measuring found on it), `choice` (measuring and choosing), `attention` (the kernel of one new
 position's attention, measured likewise), `widened` (the quantized weights' products for a prompt's rows) and
-`integer` (int8's product in integers on fbgemm), which `llama.runtime.quantized_kernels` chooses among. `llama.runtime` applies them to a loaded model.
+`integer` (int8's product in integers on fbgemm), which `llama.runtime.quantized_kernels` chooses among.
+`llama.runtime` applies them to a loaded model.
 """
 
 from llama.runtime.cpu.attention import attention_kernel, matmul_attention_from

@@ -11,41 +11,44 @@ Two rows cost one row's time where reading the weight is what takes the time.
 
 Seven bits, not eight: fbgemm's AVX2 kernels add pairs of products in 16 bits, exact only for activations below 128.
 Integer sums are exact, so the result does not depend on the thread count. PyTorch reaches fbgemm only through its
-quantized tensors, which it has deprecated: only this module touches them, and where they are gone (or give other
-than exact integer sums) the product is not offered (`split_product_available`).
+quantized tensors, which it has deprecated: only this module touches them, and where they are gone, where another
+quantized engine is set, or where the sums are other than exact, the product is not offered
+(`split_product_available`).
 """
 
 import functools
+import threading
 import warnings
-from contextlib import contextmanager
+from typing import List
 
 import torch
 
 LEVELS = 63  # each part's largest level: activations in [1, 127] once ZERO_POINT is added
 ZERO_POINT = 64
 FINE_STEPS = 2 * LEVELS  # the fine part's steps in one coarse step
+# Weights per packed piece: fbgemm packs a large weight several times slower per byte than a piece of this size
+# (Llama 3.2 1B's head, 128256 x 2048, took 3.4 s whole, 1.1 s in 16 pieces).
+PIECE_VALUES = 2**24
+# PyTorch warns of its quantized tensors' deprecation as each is made; `warnings.catch_warnings` is not thread-safe,
+# and layers are packed on several threads.
+_quantized_tensors = threading.Lock()
 
 
-@contextmanager
-def fbgemm_engine():
-    """PyTorch's quantized engine set to fbgemm (whose packed weights `split_product` needs), and its deprecation
-    warnings silenced, for the duration."""
-    engine = torch.backends.quantized.engine
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.backends.quantized.engine = "fbgemm"
-        try:
-            yield
-        finally:
-            torch.backends.quantized.engine = engine
-
-
-def pack_int8(q: torch.Tensor, scales: torch.Tensor):
-    """fbgemm's packed copy of an int8 weight (`q`, out x in) and its scales, one per output."""
-    with fbgemm_engine():
-        zero_points = torch.zeros(len(q), dtype=torch.long)
-        weight = torch._make_per_channel_quantized_tensor(q, scales.double(), zero_points, 0)
-        return torch.ops.quantized.linear_prepack(weight, None)
+def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> List[object]:
+    """fbgemm's packed copy of an int8 weight (`q`, out x in) and its scales, one per output, in pieces of at most
+    `PIECE_VALUES` weights (of whole output rows). Under PyTorch's default quantized engine ("x86"), or "fbgemm"."""
+    step = max(1, PIECE_VALUES // q.shape[1])
+    zero_points = torch.zeros(min(step, len(q)), dtype=torch.long)
+    pieces = []
+    for block, block_scales in zip(q.split(step), scales.split(step)):
+        with _quantized_tensors:  # its deprecation warning silenced, one thread at a time
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                weight = torch._make_per_channel_quantized_tensor(
+                    block, block_scales.double(), zero_points[: len(block)], 0
+                )
+        pieces.append(torch.ops.quantized.linear_prepack(weight, None))
+    return pieces
 
 
 def split_activations(rows: torch.Tensor):
@@ -53,7 +56,7 @@ def split_activations(rows: torch.Tensor):
     one step each per row: rows == coarse * coarse_step + fine * fine_step, to within fine_step / 2. Written with
     few operations, each into the parts' own memory: on one row their count is what the split costs."""
     count = len(rows)
-    largest = torch.linalg.vector_norm(rows, ord=float("inf"), dim=-1, keepdim=True)
+    largest = rows.abs().amax(-1, keepdim=True)
     coarse_step = largest.clamp_min_(torch.finfo(torch.float32).tiny).div_(LEVELS)
     fine_step = coarse_step / FINE_STEPS
     parts = torch.empty(2 * count, rows.shape[-1])
@@ -64,18 +67,19 @@ def split_activations(rows: torch.Tensor):
 
 
 def integer_sums(levels: torch.Tensor, packed) -> torch.Tensor:
-    """fbgemm's product of `levels` (integers in [-LEVELS, LEVELS], held in float32) and a weight packed by
-    `pack_int8`: each output's sum of products in integers, times the output's scale, in float32."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(levels, 1.0, ZERO_POINT, packed)
+    """fbgemm's product of `levels` (integers in [-LEVELS, LEVELS], held in float32) and one piece of a weight packed
+    by `pack_int8`: each output's sum of products in integers, times the output's scale, in float32."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(levels, 1.0, ZERO_POINT, packed)
 
 
-def split_product(x: torch.Tensor, packed) -> torch.Tensor:
+def split_product(x: torch.Tensor, pieces: List[object]) -> torch.Tensor:
     """The product of `x` and a weight packed by `pack_int8`, in `x`'s dtype (see the module's docstring)."""
     rows = x.reshape(-1, x.shape[-1]).float()
     parts, coarse_step, fine_step = split_activations(rows)
-    sums = integer_sums(parts, packed)
+    if len(pieces) == 1:
+        sums = integer_sums(parts, pieces[0])
+    else:
+        sums = torch.cat([integer_sums(parts, piece) for piece in pieces], dim=1)
     coarse, fine = sums[: len(rows)], sums[len(rows) :]
     y = torch.addcmul(coarse.mul_(coarse_step), fine, fine_step)
     return y.to(x.dtype).view(*x.shape[:-1], -1)
@@ -89,7 +93,8 @@ def split_product_available() -> bool:
     scales = torch.tensor([0.5, 1.0, 2.0, 4.0]).repeat(len(q) // 4)  # powers of 2: exact products
     levels = torch.tensor([[LEVELS, LEVELS], [-LEVELS, -LEVELS], [LEVELS, -LEVELS]], dtype=torch.float32).repeat(1, 128)
     try:
-        sums = integer_sums(levels, pack_int8(q, scales))
+        (packed,) = pack_int8(q, scales)
+        sums = integer_sums(levels, packed)
     except (AttributeError, RuntimeError):  # no quantized ops in this build, or no fbgemm on this CPU
         return False
     return torch.equal(sums.double(), (levels.double() @ q.double().t()) * scales.double())
