@@ -2,6 +2,7 @@
 
     python benchmarks/quant_kernels.py                      # the shapes of bench.py's grid
     python benchmarks/quant_kernels.py --shapes d512 --steps 50
+    python benchmarks/quant_kernels.py --shapes 1b --per_weight   # each weight shape alone, at 1 and 8 rows
 
 For each shape it makes every weight a decode step multiplies by (q, k, v, o and the three feed-forward weights of
 each layer, then the output head), random, in four forms: bfloat16 on PyTorch's matrix-vector product
@@ -11,7 +12,9 @@ where it measures fastest; x86 only), and the int8 and int4 layers
 `llama.runtime.cpu.integer`). It then times one bfloat16 row through all of them in a step's order, as a step reads
 them (from memory, not from cache), and the head alone. The ratio of the step times is the most a form can speed
 up a decode step of that shape over the plain bfloat16 product, however small everything else in the step
-becomes. Figures: median of --steps steps.
+becomes. Figures: median of --steps steps. With --per_weight, each distinct weight shape of a step alone instead, at
+1 and 8 rows, on enough copies (64 MB) that each call reads its weight from memory; for "int8 split" also fbgemm's
+call alone (`integer_sums`), the rest being the split of the activations.
 """
 
 import argparse
@@ -28,7 +31,7 @@ from bench import GRID, SHAPES  # noqa: E402
 from llama.distributed import init_model_parallel  # noqa: E402
 from llama.model import ModelArgs  # noqa: E402
 from llama.runtime.cpu import CPULinear, fbgemm_fp16_supported  # noqa: E402
-from llama.runtime.cpu.integer import split_product_available  # noqa: E402
+from llama.runtime.cpu.integer import integer_sums, split_product_available  # noqa: E402
 from llama.runtime.quantized import quantize_layer  # noqa: E402
 from llama.runtime.timing import median_seconds  # noqa: E402
 
@@ -78,6 +81,32 @@ def time_products(form: str, weights: list, steps: int):
     return step, median_ms(lambda: layers[-1].matmul(inputs[-1]), steps)
 
 
+def time_per_weight(shape: str, steps: int) -> None:
+    """Each distinct weight shape of `shape`'s step, alone, in every form, at 1 and 8 rows (see the docstring)."""
+    print(f"{shape}: out x in, rows | " + " / ".join(FORMS) + (" / fbgemm's call" if "int8 split" in FORMS else ""))
+    for out_features, in_features in dict.fromkeys(step_weights(shape)):
+        copies = max(2, 2**26 // (out_features * in_features))
+        weights = [torch.randn(out_features, in_features).mul_(0.02).bfloat16() for _ in range(copies)]
+        layers = {form: [make_layer(form, weight) for weight in weights] for form in FORMS}
+        for rows in (1, 8):
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+            calls = {form: [lambda layer=layer: layer.matmul(x) for layer in forms] for form, forms in layers.items()}
+            if "int8 split" in FORMS:
+                levels = torch.zeros(2 * rows, in_features)
+                calls["fbgemm"] = [
+                    lambda layer=layer: [integer_sums(levels, piece) for piece in layer.packed]
+                    for layer in layers["int8 split"]
+                ]
+            times = [median_ms(rotation(kernel_calls), steps) for kernel_calls in calls.values()]
+            print(f"  {out_features} x {in_features}, {rows} | " + " / ".join(f"{t:.3f}" for t in times), flush=True)
+
+
+def rotation(calls: list):
+    """A call that runs the next of `calls` each time, so that no call finds its weight in the cache."""
+    turn = iter(range(10**9))
+    return lambda: calls[next(turn) % len(calls)]()
+
+
 def median_ms(fn, repeats: int) -> float:
     return median_seconds(fn, repeats) * 1000
 
@@ -87,9 +116,15 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=GRID, choices=list(SHAPES))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--per_weight", action="store_true", help="each weight shape alone, at 1 and 8 rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     init_model_parallel(torch.device("cpu"), None, timedelta(seconds=60))
+    if args.per_weight:
+        print(f"{torch.get_num_threads()} threads; milliseconds, median of {args.steps} calls")
+        for shape in args.shapes:
+            time_per_weight(shape, args.steps)
+        return
     print(f"{torch.get_num_threads()} threads; milliseconds, median of {args.steps} steps, one bfloat16 row")
     print("shape  | products of a step: " + " / ".join(FORMS) + " | of which the head | most a step can gain")
     for shape in args.shapes:
