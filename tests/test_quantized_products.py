@@ -19,7 +19,6 @@ from llama.checkpoint import load_model, model_args_from, open_checkpoint, rando
 from llama.quantize import dequantize, quantize_int4, unpack_nibbles
 from llama.runtime import for_runtime, quantize_model
 from llama.runtime.cpu import onednn_bf16_supported
-from llama.runtime.cpu.integer import split_product_available
 from llama.runtime.cpu.widened import cpu_int4_block_rows, unpack_cpu_int4
 from llama.runtime.quantized import Int4Linear, Int8Linear, QuantizedLinear, dequantized_int4_weight, quantize_layer
 from llama.runtime.quantized_kernels import CPU_INT4_PRODUCTS, TIMED_ROWS, fastest
@@ -39,12 +38,11 @@ def test_every_int8_product_computes_the_dequantized_weights_product(process_gro
     expected = x @ expected_weight.t()
     # On the CPU ("widened" in the activations' dtype only where oneDNN multiplies bfloat16); a GPU has "fused"
     in_bfloat16 = {"widened", "widened_left"}
-    in_integers = {"split"} if split_product_available() else set()  # where PyTorch reaches fbgemm
-    assert set(layer.products(rows)) - in_bfloat16 == {"int8", "widened32", "widened32_left", *in_integers}
+    # "split" for 16-bit activations only (test_integer_products.py)
+    assert set(layer.products(rows)) - in_bfloat16 == {"int8", "widened32", "widened32_left"}
     assert (in_bfloat16 <= set(layer.products(rows))) == onednn_bf16_supported()
     every = dict(widened=layer.widened_product, widened_left=layer.widened_left_product, fused=layer.fused_product)
     products = {**every, **layer.products(rows)}
-    products.pop("split", None)  # it rounds the activations, within a bound of its own (test_integer_products.py)
     with torch.inference_mode():  # as decoding runs them
         for name, product in products.items():
             torch.testing.assert_close(product(x), expected, atol=1e-4, rtol=1e-4, msg=name)

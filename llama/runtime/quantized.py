@@ -149,7 +149,9 @@ class Int8Linear(QuantizedLinear):
         if self.weight.device.type == "cpu":
             products = {"int8": self.int8_product, "widened32": self.widened32_product}
             products["widened32_left"] = self.widened32_left_product
-            if split_product_available():
+            # Only for 16-bit activations, whose own rounding (1/512 of each value in bfloat16) its rounding of them
+            # stays far below: a float32 model's products stay as exact as they were.
+            if self.scales.dtype in (torch.bfloat16, torch.float16) and split_product_available():
                 products["split"] = self.split_product
             if onednn_bf16_supported():  # as int4's: on AVX2 a bfloat16 product of the buffer never wins
                 products.update(widened=self.widened_product, widened_left=self.widened_left_product)

@@ -6,11 +6,12 @@ memory's speed or less, docs/quantize.md). fbgemm multiplies 8-bit activations b
 memory speed, but rounds each call's activations to 8 bits, far from the weight-only accuracy. Here the activations
 are instead written exactly enough as two integer rows: a coarse part, each value rounded to a 63rd of its row's
 largest magnitude, and a fine part, what the coarse one leaves rounded to a 126th of that step. What is lost is at
-most 1/16,000 of the row's largest magnitude, against bfloat16's own rounding of each value by up to 1/512 of it.
+most 1/16,002 of the row's largest magnitude, against bfloat16's own rounding of each value by up to 1/512 of it.
 Two rows cost one row's time where reading the weight is what takes the time.
 
-Seven bits, not eight: fbgemm's AVX2 kernels add pairs of products in 16 bits, exact only for activations below 128.
-Integer sums are exact, so the result does not depend on the thread count. PyTorch reaches fbgemm only through its
+Offered for 16-bit activations only (`Int8Linear.products`). Seven bits, not eight: fbgemm's AVX2 kernels add pairs
+of products in 16 bits, exact only for activations below 128. Integer sums are exact, so the result does not depend
+on the thread count. PyTorch reaches fbgemm only through its
 quantized tensors, which it has deprecated: only this module touches them, and where they are gone, where another
 quantized engine is set, or where the sums are other than exact, the product is not offered
 (`split_product_available`).
