@@ -90,7 +90,7 @@ def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Dict[int, str]]:
         layer.kernels = choices[key]  # copied in order by `MeasuredLinear.kernels`
         if isinstance(layer, Int4Linear):
             layer.drop_unused_copies()
-        elif layer.weight.device.type == "cpu":
+        elif isinstance(layer, Int8Linear) and layer.weight.device.type == "cpu":
             int8_on_cpu.append(layer)
     cache.save()
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:

@@ -11,10 +11,9 @@ Two rows cost one row's time where reading the weight is what takes the time.
 
 Offered for 16-bit activations only (`Int8Linear.products`). Seven bits, not eight: fbgemm's AVX2 kernels add pairs
 of products in 16 bits, exact only for activations below 128. Integer sums are exact, so the result does not depend
-on the thread count. PyTorch reaches fbgemm only through its
-quantized tensors, which it has deprecated: only this module touches them, and where they are gone, where another
-quantized engine is set, or where the sums are other than exact, the product is not offered
-(`split_product_available`).
+on the thread count. PyTorch reaches fbgemm only through its quantized tensors, which it has deprecated: only this
+module touches them, and where they are gone, where another quantized engine is set, or where the sums are other
+than exact, the product is not offered (`split_product_available`).
 """
 
 import functools
