@@ -46,7 +46,7 @@ CPU_SAMPLE_VALUES = 2**22
 # For a decode step's rows and a batch's (fewer than CPU_PROMPT_ROWS): as many as a large weight of Llama 3.2 1B,
 # each product on a copy of its own, the caches flushed before each round, as a decode step reads each weight from
 # memory. On a sample in the cache the one-row products rank by their arithmetic and fixed costs instead: PyTorch's
-# int8 kernel took half the "split" product's time there, and 1.5 times it from memory.
+# int8 kernel took half the "split" product's time there, and about twice it from memory.
 CPU_DECODE_SAMPLE_VALUES = 2**24
 CPU_PROMPT_ROWS = 64
 CPU_INT8_PRODUCTS = {
