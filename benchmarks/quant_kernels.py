@@ -18,6 +18,7 @@ call alone (`integer_sums`), the rest being the split of the activations.
 """
 
 import argparse
+import itertools
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -105,8 +106,8 @@ def time_per_weight(shape: str, steps: int) -> None:
 
 def rotation(calls: list):
     """A call that runs the next of `calls` each time, so that no call finds its weight in the cache."""
-    turn = iter(range(10**9))
-    return lambda: calls[next(turn) % len(calls)]()
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
 
 
 def median_ms(fn, repeats: int) -> float:

@@ -149,6 +149,19 @@ GQA_PARAMS = {  # 4 query heads share 2 kv heads
 }
 
 
+def int8_layer(rows: int = 96, cols: int = 128, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """An `Int8Linear` of random weights in `dtype` (its activations' dtype), as `quantize_layer` makes it from a
+    fairscale layer. Needs the model-parallel group (`process_group`)."""
+    from fairscale.nn.model_parallel.layers import ColumnParallelLinear
+
+    from llama.runtime.quantized import quantize_layer
+
+    layer = ColumnParallelLinear(cols, rows, bias=False, gather_output=False, init_method=lambda x: x)
+    layer.weight.data.copy_(torch.randn(rows, cols, generator=torch.Generator().manual_seed(5 + seed)) * 0.05)
+    layer.weight.data = layer.weight.data.to(dtype)
+    return quantize_layer(layer, "int8")
+
+
 def load_reference(tmp_path, weights, dtype, max_seq_len=32):
     """`weights` (of GQA_PARAMS) written as a checkpoint under tmp_path and loaded as Meta's code builds the model
     (fairscale's layers, the reference `Transformer`), on CPU, with `max_seq_len` and max_batch_size 2."""

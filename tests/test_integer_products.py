@@ -6,12 +6,11 @@ other products without it."""
 
 import pytest
 import torch
-from fairscale.nn.model_parallel.layers import ColumnParallelLinear
+from helpers import int8_layer
 
 from llama.quantize import dequantize
 from llama.runtime.cpu import integer
 from llama.runtime.cpu.integer import pack_int8, split_activations, split_product, split_product_available
-from llama.runtime.quantized import quantize_layer
 
 pytestmark = pytest.mark.skipif(not split_product_available(), reason="this torch build has no fbgemm")
 
@@ -87,18 +86,11 @@ def test_a_weight_packed_in_pieces_gives_the_same_bits_as_packed_whole(monkeypat
     assert torch.equal(split_product(x, pieces), split_product(x, whole))
 
 
-def int8_layer(dtype=torch.float32):
-    layer = ColumnParallelLinear(128, 64, bias=False, gather_output=False, init_method=lambda x: x)
-    layer.weight.data.copy_(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)) * 0.05)
-    layer.weight.data = layer.weight.data.to(dtype)
-    return quantize_layer(layer, "int8")
-
-
 def test_it_is_offered_for_16_bit_activations_only(process_group):
     """Its rounding of the activations is far below bfloat16's own, not below float32's: a float32 model's int8
     products stay as they were."""
-    assert "split" in int8_layer(torch.bfloat16).products(1)
-    assert "split" not in int8_layer(torch.float32).products(1)
+    assert "split" in int8_layer(dtype=torch.bfloat16).products(1)
+    assert "split" not in int8_layer(dtype=torch.float32).products(1)
 
 
 def test_the_copy_for_fbgemm_is_made_only_where_a_chosen_product_reads_it(process_group):
@@ -133,7 +125,7 @@ def test_where_fbgemm_is_missing_or_inexact_split_is_not_offered(process_group, 
     split_product_available.cache_clear()
     try:
         assert not split_product_available()
-        assert "split" not in int8_layer(torch.bfloat16).products(1)
+        assert "split" not in int8_layer(dtype=torch.bfloat16).products(1)
     finally:
         split_product_available.cache_clear()
 

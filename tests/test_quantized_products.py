@@ -13,21 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear
-from helpers import GQA_PARAMS
+from helpers import GQA_PARAMS, int8_layer
 
 from llama.checkpoint import load_model, model_args_from, open_checkpoint, random_weights, write_meta_checkpoint
 from llama.quantize import dequantize, quantize_int4, unpack_nibbles
 from llama.runtime import for_runtime, quantize_model
 from llama.runtime.cpu import onednn_bf16_supported
 from llama.runtime.cpu.widened import cpu_int4_block_rows, unpack_cpu_int4
-from llama.runtime.quantized import Int4Linear, Int8Linear, QuantizedLinear, dequantized_int4_weight, quantize_layer
+from llama.runtime.quantized import Int4Linear, QuantizedLinear, dequantized_int4_weight
 from llama.runtime.quantized_kernels import CPU_INT4_PRODUCTS, TIMED_ROWS, fastest
-
-
-def int8_layer(rows: int = 96, cols: int = 128, seed: int = 0) -> Int8Linear:
-    layer = ColumnParallelLinear(cols, rows, bias=False, gather_output=False, init_method=lambda x: x)
-    layer.weight.data.copy_(torch.randn(rows, cols, generator=torch.Generator().manual_seed(5 + seed)) * 0.05)
-    return quantize_layer(layer, "int8")
 
 
 @pytest.mark.parametrize("rows", [1, 8])
