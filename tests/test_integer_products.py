@@ -4,6 +4,9 @@ weight-only product but for a rounding of the activations bounded by 1/16,002 of
 does not depend on the thread count; the load offers it only where fbgemm's sums are exact, and chooses among the
 other products without it."""
 
+import logging
+import time
+
 import pytest
 import torch
 from helpers import int8_layer
@@ -151,3 +154,75 @@ def test_a_model_loaded_on_the_split_product_names_it_gives_the_same_bits_on_eve
     assert torch.equal(load("split", quantize="int8")[0], split)
     exact, unquantized = load("widened32", quantize="int8")[0], load("")[0]
     assert 0 < (split - exact).abs().mean() < (exact - unquantized).abs().mean() / 2
+
+
+def slow_copy_and_fast_split(monkeypatch, layer, from_rows: int = 1) -> None:
+    """Stand-ins for `layer`'s timed products, the split product 3 ms a call faster than the others from `from_rows`
+    rows, and packing the weight for fbgemm made to take 0.2 s (0.1 s a layer on the load's two threads)."""
+    from llama.runtime import quantized_kernels
+
+    def stand_in(name):
+        def call(x, **values):
+            if name != "split" or len(x) < from_rows:
+                time.sleep(0.003)
+            return x
+
+        return call
+
+    def slow_pack(q, scales):
+        time.sleep(0.2)
+        return pack_int8(q, scales)
+
+    monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", {name: stand_in(name) for name in layer.products(1)})
+    monkeypatch.setattr(quantized_kernels, "pack_int8", slow_pack)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+
+
+def test_fbgemm_s_copy_is_declined_where_it_would_not_repay_its_making_and_a_later_load_declines_it_alike(
+    process_group, tmp_path, monkeypatch, caplog
+):
+    """Over a context of 4 tokens the copy would cost more than it saves, so the load keeps the next fastest
+    product, makes no copy and says why. The copy's time is cached with the timings: a later process declines it
+    alike without timing again, and makes it for a context of 4096 tokens."""
+    from llama.runtime import quantized_kernels
+    from llama.runtime.cpu import KernelCache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    layer = int8_layer(dtype=torch.bfloat16)
+    slow_copy_and_fast_split(monkeypatch, layer)
+    with caplog.at_level(logging.INFO, logger="llama.runtime.quantized_kernels"):
+        quantized_kernels.choose_quantized_kernels(layer, max_seq_len=4, decode_rows=1)
+    assert "split" not in layer.kernels.values() and layer.packed is None
+    assert "No fbgemm copy" in caplog.text and "context of 4 tokens" in caplog.text
+    KernelCache.IN_PROCESS.clear()  # as a new process starts: from the file
+    monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", {})  # nothing is timed again
+    quantized_kernels.choose_quantized_kernels(layer, max_seq_len=4, decode_rows=1)
+    assert "split" not in layer.kernels.values() and layer.packed is None
+    quantized_kernels.choose_quantized_kernels(layer, max_seq_len=4096, decode_rows=1)
+    assert layer.kernels[1] == "split" and layer.packed is not None
+
+
+@pytest.mark.parametrize(
+    "from_rows, decode_rows, max_seq_len, repaid",
+    [
+        (1, 1, 4096, True),  # 3 ms a token for 4096 tokens
+        (64, 1, 1024, False),  # prompts only: 16 prompts of 64 tokens save 48 ms
+        (64, 1, 8192, True),  # 128 prompts, 0.38 s
+        (8, 1, 128, False),  # one sequence decodes a row a step: 8 rows are a prompt's, 16 of them save 48 ms
+        (8, 8, 128, True),  # a batch of 8: a decode step a token, 0.38 s
+    ],
+)
+def test_fbgemm_s_copy_is_made_where_it_repays_its_making_over_the_context_s_decode_steps_and_prompts(
+    process_group, tmp_path, monkeypatch, from_rows, decode_rows, max_seq_len, repaid
+):
+    """The split product 3 ms a call faster than the others from `from_rows` rows on, its copy 0.1 s to make: it is
+    chosen, and the copy made, where the time it saves over a full context repays that."""
+    from llama.runtime import quantized_kernels
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    layer = int8_layer(dtype=torch.bfloat16)
+    slow_copy_and_fast_split(monkeypatch, layer, from_rows)
+    quantized_kernels.choose_quantized_kernels(layer, max_seq_len=max_seq_len, decode_rows=decode_rows)
+    won = [rows for rows in quantized_kernels.CPU_TIMED_ROWS if rows >= from_rows]
+    assert [rows for rows, product in layer.kernels.items() if product == "split"] == (won if repaid else [])
+    assert (layer.packed is not None) == repaid

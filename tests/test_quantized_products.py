@@ -23,6 +23,8 @@ from llama.runtime.cpu.widened import cpu_int4_block_rows, unpack_cpu_int4
 from llama.runtime.quantized import Int4Linear, QuantizedLinear, dequantized_int4_weight
 from llama.runtime.quantized_kernels import CPU_INT4_PRODUCTS, TIMED_ROWS, fastest
 
+CHOSEN_FOR = dict(max_seq_len=4096, decode_rows=8)  # the context and batch the layers' products are chosen for
+
 
 @pytest.mark.parametrize("rows", [1, 8])
 def test_every_int8_product_computes_the_dequantized_weights_product(process_group, rows):
@@ -112,7 +114,7 @@ def test_a_decode_step_s_products_are_timed_from_memory_each_on_a_weight_of_its_
     layer = int8_layer()
     monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", {name: product(name) for name in layer.products(1)})
     monkeypatch.setattr(quantized_kernels, "CacheFlush", lambda: lambda: flushes.append(len(weights)))
-    quantized_kernels.choose_quantized_kernels(layer)
+    quantized_kernels.choose_quantized_kernels(layer, **CHOSEN_FOR)
     for rows in (1, 8):
         storages = {q.untyped_storage().data_ptr() for q in weights[rows].values()}
         assert {len(q) for q in weights[rows].values()} == {64}
@@ -131,7 +133,7 @@ def test_the_cpu_chooses_an_int8_product_per_row_count_by_timing_them(process_gr
     for faster in layer.products(64):  # "widened" only where oneDNN multiplies bfloat16
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / faster))  # a machine that has measured nothing
         monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products_where(faster))
-        quantized_kernels.choose_quantized_kernels(layer)
+        quantized_kernels.choose_quantized_kernels(layer, **CHOSEN_FOR)
         assert layer.kernels == {rows: faster for rows in quantized_kernels.CPU_TIMED_ROWS}
 
 
@@ -151,7 +153,7 @@ def test_nothing_is_widened_to_bfloat16_without_onednns_kernels(process_group, t
         quantized_kernels, table, {**getattr(quantized_kernels, table), **dict.fromkeys(in_bfloat16, never)}
     )
     layer = int8_layer() if scheme == "int8" else int4_layer(rows=128, cols=256)[0]
-    quantized_kernels.choose_quantized_kernels(layer)
+    quantized_kernels.choose_quantized_kernels(layer, **CHOSEN_FOR)
     assert not in_bfloat16 & (set(layer.products(64)) | set(layer.kernels.values()))
 
 
@@ -164,13 +166,13 @@ def test_an_int8_choice_once_timed_is_kept_by_every_later_load(process_group, tm
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     layer = int8_layer()
     monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products_where("widened32"))
-    quantized_kernels.choose_quantized_kernels(layer)
+    quantized_kernels.choose_quantized_kernels(layer, **CHOSEN_FOR)
     first = layer.kernels
     monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", products_where("int8"))
-    quantized_kernels.choose_quantized_kernels(layer)
+    quantized_kernels.choose_quantized_kernels(layer, **CHOSEN_FOR)
     assert layer.kernels == first == {rows: "widened32" for rows in quantized_kernels.CPU_TIMED_ROWS}
     KernelCache.IN_PROCESS.clear()  # as a new process starts: from the file
-    quantized_kernels.choose_quantized_kernels(layer)
+    quantized_kernels.choose_quantized_kernels(layer, **CHOSEN_FOR)
     assert layer.kernels == first
 
 
@@ -270,7 +272,7 @@ def test_the_cpu_chooses_an_int4_product_per_row_count_by_timing_them(process_gr
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / faster))  # a machine that has measured nothing
         products = {name: (lambda x, **values: x) if name == faster else slow for name in CPU_INT4_PRODUCTS}
         monkeypatch.setattr(quantized_kernels, "CPU_INT4_PRODUCTS", products)
-        quantized_kernels.choose_quantized_kernels(layer)
+        quantized_kernels.choose_quantized_kernels(layer, **CHOSEN_FOR)
         assert layer.kernels == {rows: faster for rows in quantized_kernels.CPU_TIMED_ROWS}
 
 
@@ -283,11 +285,11 @@ def test_an_environment_variable_pins_one_product_and_nothing_is_timed(process_g
     monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", {"int8": never, "widened": never, "widened32": never})
     layer = int8_layer()
     monkeypatch.setenv("LLAMA_QUANTIZED_PRODUCT", "widened32")
-    quantized_kernels.choose_quantized_kernels(layer)
+    quantized_kernels.choose_quantized_kernels(layer, **CHOSEN_FOR)
     assert [layer.kernel_for(rows) for rows in (1, 8, 300)] == ["widened32"] * 3
     monkeypatch.setenv("LLAMA_QUANTIZED_PRODUCT", "turbo")
     with pytest.raises(ValueError, match="LLAMA_QUANTIZED_PRODUCT='turbo' is not a quantized product"):
-        quantized_kernels.choose_quantized_kernels(layer)
+        quantized_kernels.choose_quantized_kernels(layer, **CHOSEN_FOR)
 
 
 def test_int4_widening_is_the_dequantized_weight_in_the_activations_dtype():

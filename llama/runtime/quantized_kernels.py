@@ -12,16 +12,18 @@ machine runs the same products and gives the same results.
 """
 
 import functools
+import logging
 import os
 import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from llama.runtime.cpu.cache import KernelCache, Measured
-from llama.runtime.cpu.choice import CacheFlush
+from llama.runtime.cpu.choice import CacheFlush, copy_saving, repaid_copies
 from llama.runtime.cpu.integer import pack_int8, split_product
 from llama.runtime.cpu.widened import cpu_int4_block_rows, widened_in_blocks, widened_int4_in_blocks
 from llama.runtime.quantized import (
@@ -33,6 +35,8 @@ from llama.runtime.quantized import (
     int8_kernel_product,
 )
 from llama.runtime.timing import graph_seconds_or_first, time_kernels, timed
+
+logger = logging.getLogger(__name__)
 
 # Row counts at which each product is timed: a decode step of one sequence (the only count at which the "fused"
 # int8 product is compiled), a batch's step, a short prompt, a long one.
@@ -66,18 +70,20 @@ CPU_INT4_PRODUCTS = {
 }
 # Part of each CPU product's cache key, raised when a product's code changes its speed or how it is timed (2: the
 # widened products' buffers reused from call to call, int4's unpacked outputs by inputs, the "_left" products added;
-# 3: a decode step's products timed from memory, "split" added): timings cached before no longer hold.
-CPU_PRODUCTS_REVISION = 3
+# 3: a decode step's products timed from memory, "split" added; 4: timings per weight, with the split's copy's time):
+# timings cached before no longer hold.
+CPU_PRODUCTS_REVISION = 4
 PRODUCT_VARIABLE = "LLAMA_QUANTIZED_PRODUCT"  # pins one product (`pinned_product`)
 SCREEN = 4  # products more than this many times slower than the best at a first, eager call are not timed further
 
 
-def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Dict[int, str]]:
+def choose_quantized_kernels(model: nn.Module, max_seq_len: int, decode_rows: int) -> Dict[Tuple, Dict[int, str]]:
     """Step 5: set each quantized layer's `kernels` where it has more than one product (on a GPU every one; on the
     CPU the int8 and int4 ones), chosen once per (type, weight shape) from the kernel cache or timed; free the int4
     weights' second copies no chosen product reads, and make fbgemm's copies of the int8 weights whose chosen
-    products read them ("split"; fbgemm packs on one core, so a layer per thread). Returns the choices by (type name,
-    out, in)."""
+    products read them ("split", where the copy repays its making within a context of `max_seq_len` tokens decoded
+    `decode_rows` rows a step at most; fbgemm packs on one core, so a layer per thread). Returns the choices by (type
+    name, out, in)."""
     cache = KernelCache()
     choices, int8_on_cpu = {}, []
     for layer in model.modules():
@@ -86,7 +92,9 @@ def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Dict[int, str]]:
         key = (type(layer).__name__, layer.out_features, layer.in_features)
         if key not in choices:
             pinned = pinned_product(layer)
-            choices[key] = {1: pinned} if pinned is not None else measured_choice(layer, cache)
+            choices[key] = (
+                {1: pinned} if pinned is not None else measured_choice(layer, cache, max_seq_len, decode_rows)
+            )
         layer.kernels = choices[key]  # copied in order by `MeasuredLinear.kernels`
         if isinstance(layer, Int4Linear):
             layer.drop_unused_copies()
@@ -98,10 +106,12 @@ def choose_quantized_kernels(model: nn.Module) -> Dict[Tuple, Dict[int, str]]:
     return choices
 
 
-def measured_choice(layer: QuantizedLinear, cache: KernelCache) -> Dict[int, str]:
+def measured_choice(layer: QuantizedLinear, cache: KernelCache, max_seq_len: int, decode_rows: int) -> Dict[int, str]:
     """The fastest product of `layer` at each timed row count, from `cache` where it holds the row count's timings
     (measured by an earlier load here: the same choice, so the same results), else timed now and cached; under
-    model parallelism, rank 0's figures on every rank (`KernelCache.agree`)."""
+    model parallelism, rank 0's figures on every rank (`KernelCache.agree`). "split" only where its copy repays its
+    making within a context of `max_seq_len` tokens (`repaid_copies`, as a float16 copy), decode steps running the
+    products chosen for up to `decode_rows` rows (`decode_counts`)."""
     on_cpu = layer.weight.device.type == "cpu"
     device = f"CPU, products r{CPU_PRODUCTS_REVISION}" if on_cpu else torch.cuda.get_device_name(layer.weight.device)
     product = f"{type(layer).__name__} {layer.activation_dtype()} {layer.out_features}x{layer.in_features} on {device}"
@@ -115,7 +125,29 @@ def measured_choice(layer: QuantizedLinear, cache: KernelCache) -> Dict[int, str
             cache.put(key, measured[rows])
     changed = cache.agree(set(keys.values()))  # under model parallelism every rank runs what rank 0 measured
     measured.update({rows: cache.get(key) for rows, key in keys.items() if key in changed})
-    return {rows: found.fastest() for rows, found in measured.items()}
+    making = max((found.split_copy or 0.0 for found in measured.values()), default=0.0)
+    decoding = decode_counts(row_counts, decode_rows)
+    chosen = repaid_copies(measured, max_seq_len, "split", making, decoding)
+    declined = [rows for rows, found in measured.items() if found.fastest() == "split" and chosen[rows] != "split"]
+    if declined:
+        weights = layer.weight.numel()
+        saving = max(0.0, copy_saving(measured, declined, max_seq_len, "split", decoding)) * weights
+        logger.info(
+            "No fbgemm copy for %s: the split product is fastest for %s rows, but making its copy (%.3g s) would take "
+            "longer than it saves over a full context of %d tokens (%.3g s)",
+            product,
+            ", ".join(map(str, declined)),
+            making * weights,
+            max_seq_len,
+            saving,
+        )
+    return chosen
+
+
+def decode_counts(row_counts: Tuple[int, ...], decode_rows: int) -> List[int]:
+    """The row counts of `row_counts` (ascending) whose products decode steps of up to `decode_rows` rows run: each
+    count's choice runs the rows above the count before it (`MeasuredLinear.kernel_for`)."""
+    return [rows for before, rows in zip((0, *row_counts), row_counts) if before < decode_rows]
 
 
 def pinned_product(layer: QuantizedLinear) -> Optional[str]:
@@ -132,9 +164,10 @@ def pinned_product(layer: QuantizedLinear) -> Optional[str]:
 
 
 def cpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
-    """Each CPU product's time for `rows` rows, timed on the weight's first rows (for int4 whole blocks of its
-    kernel's layout): each output row is computed alone, so its time per weight is the whole weight's. For a
-    decode step's rows, on a larger sample read from memory (`CPU_DECODE_SAMPLE_VALUES`)."""
+    """Each CPU product's time for `rows` rows per weight, timed on the weight's first rows (for int4 whole blocks of
+    its kernel's layout): each output row is computed alone, so its time per weight is the whole weight's. For a
+    decode step's rows, on a larger sample read from memory (`CPU_DECODE_SAMPLE_VALUES`). With "split", the time
+    its copy takes to make per weight, on one of the threads a load packs on."""
     decoding = rows < CPU_PROMPT_ROWS
     sample = max(1, (CPU_DECODE_SAMPLE_VALUES if decoding else CPU_SAMPLE_VALUES) // layer.in_features)
     offered = layer.products(rows)
@@ -147,15 +180,22 @@ def cpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
         scales_and_zeros = layer.scales_and_zeros[:, :sample]
         values = dict(packed=layer.weight[:sample], scales_and_zeros=scales_and_zeros, group_size=layer.group_size)
         products = CPU_INT4_PRODUCTS
-    calls = {}
+    calls, making = {}, None
     for name in [name for name in products if name in offered]:
         if name == "split":  # on fbgemm's copy of the sample
+            start = time.perf_counter()
             own = dict(pieces=pack_int8(**values))
+            making = time.perf_counter() - start
         else:  # decoding, each on a copy of its own, which no other product's call brings into the cache
             own = {k: v.clone() if decoding and isinstance(v, torch.Tensor) else v for k, v in values.items()}
         calls[name] = functools.partial(products[name], **own)
     x = torch.randn(rows, layer.in_features, dtype=layer.activation_dtype())
-    return product_timings(calls, x, 3, CacheFlush() if decoding else None)
+    found = product_timings(calls, x, 3, CacheFlush() if decoding else None)
+    weights = min(sample, layer.out_features) * layer.in_features  # in the sample timed
+    per_weight = {kernel: seconds / weights for kernel, seconds in found.seconds.items()}
+    median = {kernel: seconds / weights for kernel, seconds in found.median.items()}
+    split_copy = None if making is None else making / weights / torch.get_num_threads()
+    return Measured(per_weight, median, split_copy=split_copy)
 
 
 def gpu_timings(layer: QuantizedLinear, rows: int) -> Measured:

@@ -85,7 +85,7 @@ def for_runtime(
         if on_cpu_kernels:
             choose_cpu_kernels(runtime, copies, verify_rows)
         use_parallel_layers(runtime)
-        choose_quantized_kernels(runtime)
+        choose_quantized_kernels(runtime, model.params.max_seq_len, max(model.params.max_batch_size, verify_rows or 1))
     if on_onnx_runtime:
         make_sessions(runtime)
         runtime.threads = one_torch_thread
@@ -203,7 +203,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
         (*LINEAR, ParallelLinear),
         lambda layer: layer if is_quantized(layer) else quantize_layer(layer, scheme, group_size),
     )
-    choose_quantized_kernels(model)
+    choose_quantized_kernels(model, model.params.max_seq_len, model.params.max_batch_size)
     return model
 
 

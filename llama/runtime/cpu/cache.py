@@ -90,12 +90,14 @@ def cpuinfo_fields() -> Dict[str, str]:
 @dataclass
 class Measured:
     """What measuring one product at one row count found, in seconds per weight of the sample it ran on: each
-    kernel's fastest and median timed round, and for "fp16" the time it takes to make the float16 copy at load
-    (fbgemm packs a weight on one core, and `make_weight_copies` packs on as many threads as torch uses)."""
+    kernel's fastest and median timed round, and for "fp16" the time it takes to make the float16 copy at load, for
+    the int8 "split" product fbgemm's packed copy (fbgemm packs a weight on one core, and a load packs on as many
+    threads as torch uses: each copy's time is divided by that)."""
 
     seconds: Dict[str, float]
     median: Dict[str, float]
     fp16_copy: Optional[float] = None
+    split_copy: Optional[float] = None
     # Whether its rounds disagreed even when timed again (`llama.runtime.cpu.choice.NOISE`): a busy machine's figures,
     # cached all the same (with a warning); the next process's first load re-checks them.
     noisy: bool = False
@@ -106,6 +108,9 @@ class Measured:
     def fastest(self, leave_out: str = "") -> str:
         """The kernel (but `leave_out`) of the shortest median round."""
         return min((kernel for kernel in self.median if kernel != leave_out), key=self.median.get)
+
+
+COPIES = ("fp16_copy", "split_copy")  # the `Measured` fields a cache entry may hold beside the timings
 
 
 def cache_folder() -> Path:
@@ -212,15 +217,15 @@ class KernelCache:
     @staticmethod
     def valid(entry) -> bool:
         """Whether `entry` is what `put` writes: each kernel's fastest and median round (the same kernels), and
-        perhaps the float16 copy's time, each a finite number of seconds."""
-        if not isinstance(entry, dict) or set(entry) - {"seconds", "median", "fp16_copy", "confirmed"}:
+        perhaps a copy's time, each a finite number of seconds."""
+        if not isinstance(entry, dict) or set(entry) - {"seconds", "median", *COPIES, "confirmed"}:
             return False
         if entry.get("confirmed", False) is not True and "confirmed" in entry:
             return False
         seconds, median = entry.get("seconds"), entry.get("median")
         if not (isinstance(seconds, dict) and isinstance(median, dict) and seconds):
             return False
-        figures = [*seconds.values(), *median.values(), entry.get("fp16_copy", 0.0)]
+        figures = [*seconds.values(), *median.values(), *(entry.get(copy, 0.0) for copy in COPIES)]
         numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in figures)
         known = {*KERNELS, *QUANTIZED_PRODUCTS, *ATTENTION_KERNELS}
         return numbers and set(seconds) == set(median) and set(seconds) <= known
@@ -233,7 +238,8 @@ class KernelCache:
         if entry is None:
             return None
         self.seen[key] = entry
-        return Measured(entry["seconds"], entry["median"], entry.get("fp16_copy"), confirmed="confirmed" in entry)
+        copies = {copy: entry[copy] for copy in COPIES if copy in entry}
+        return Measured(entry["seconds"], entry["median"], **copies, confirmed="confirmed" in entry)
 
     def used_in_this_process(self) -> Set[str]:
         """The keys whose entries a load of this process has measured or read so far."""
@@ -249,8 +255,7 @@ class KernelCache:
 
     def put(self, key: str, measured: Measured) -> None:
         entry = {"seconds": measured.seconds, "median": measured.median}
-        if measured.fp16_copy is not None:
-            entry["fp16_copy"] = measured.fp16_copy
+        entry.update({copy: getattr(measured, copy) for copy in COPIES if getattr(measured, copy) is not None})
         if measured.confirmed:
             entry["confirmed"] = True
         self.entries[key] = self.measured[key] = self.seen[key] = entry

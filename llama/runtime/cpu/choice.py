@@ -7,7 +7,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Collection, Dict, List, Optional
 
 import torch
 import torch.nn as nn
@@ -182,30 +182,48 @@ def kernel_calls(job: Job, samples: Dict[tuple, tuple], x: torch.Tensor) -> Dict
     return calls
 
 
-def calls_per_context(rows: int, max_seq_len: int) -> float:
-    """How many products of `rows` rows one full context takes: a decode step per position (one row or the batch),
-    or a prompt of `max_seq_len` tokens."""
-    return max_seq_len if rows < PROMPT_ROWS else max_seq_len / PROMPT_ROWS
+def calls_per_context(rows: int, max_seq_len: int, decode_counts: Collection[int]) -> float:
+    """How many products of `rows` rows one full context takes: a decode step per position where a decode step runs
+    the kernel chosen for `rows` (`rows` in `decode_counts`: one sequence, the batch, a verification), else prompts
+    of `rows` tokens filling it."""
+    return max_seq_len if rows in decode_counts else max_seq_len / rows
 
 
 def kernels_for(measured: Dict[int, Measured], max_seq_len: int) -> Dict[int, str]:
-    """The kernel for each row count: the fastest measured, except that a float16 copy is made only where it pays:
-    where the time it would save over one full context at a row count it wins (`calls_per_context`) exceeds the
-    time it takes to make: a copy that would speed up only the prompts may take longer to make than it ever saves
+    """The kernel for each row count: the fastest measured, except that a float16 copy is made only where it pays
+    (`repaid_copies`): a copy that would speed up only the prompts may take longer to make than it ever saves
     (docs/speed.md, "How the CPU kernels are chosen")."""
+    making = max((m.fp16_copy or 0.0 for m in measured.values()), default=0.0)
+    return repaid_copies(measured, max_seq_len, "fp16", making, decode_counts(measured))
+
+
+def decode_counts(measured: Dict[int, Measured]) -> List[int]:
+    """The row counts of `measured` (`row_counts`) that decode steps run: all but a prompt's."""
+    return [rows for rows in measured if rows < PROMPT_ROWS]
+
+
+def repaid_copies(
+    measured: Dict[int, Measured], max_seq_len: int, kernel: str, making: float, decode_counts: Collection[int]
+) -> Dict[int, str]:
+    """The fastest of `measured`'s kernels for each row count, but `kernel`, which reads a copy of the weights that
+    takes `making` seconds per weight to make, only where the time it would save over one full context at a row
+    count it wins (`calls_per_context`) exceeds that: elsewhere the fastest of the others."""
     chosen = {rows: m.fastest() for rows, m in measured.items()}
-    wins = [rows for rows, kernel in chosen.items() if kernel == "fp16"]
-    if wins and copy_saving(measured, wins, max_seq_len) < max(m.fp16_copy or 0.0 for m in measured.values()):
-        chosen = {rows: m.fastest(leave_out="fp16") for rows, m in measured.items()}
+    wins = [rows for rows, fastest in chosen.items() if fastest == kernel]
+    if wins and copy_saving(measured, wins, max_seq_len, kernel, decode_counts) < making:
+        chosen = {rows: m.fastest(leave_out=kernel) for rows, m in measured.items()}
     return chosen
 
 
-def copy_saving(measured: Dict[int, Measured], wins: List[int], max_seq_len: int) -> float:
-    """The most a float16 copy saves per weight over one full context at one of the row counts `wins` it wins,
-    counted from its median timed round against the other kernel's fastest: a lead smaller than the spread of the
-    timings is no lead."""
+def copy_saving(
+    measured: Dict[int, Measured], wins: List[int], max_seq_len: int, kernel: str, decode_counts: Collection[int]
+) -> float:
+    """The most a copy read by `kernel` saves per weight over one full context at one of the row counts `wins` it
+    wins, counted from its median timed round against the other kernels' fastest: a lead smaller than the spread of
+    the timings is no lead."""
     return max(
-        (m.seconds[m.fastest(leave_out="fp16")] - m.median["fp16"]) * calls_per_context(rows, max_seq_len)
+        (m.seconds[m.fastest(leave_out=kernel)] - m.median[kernel])
+        * calls_per_context(rows, max_seq_len, decode_counts)
         for rows, m in measured.items()
         if rows in wins
     )
@@ -295,7 +313,8 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: int) -> Dict[CPU
                 layer.weight.numel() for group in all_products for layer in group if product_name(group) == name
             )
             making = max(m.fp16_copy for m in timings.values() if m.fp16_copy is not None) * weights
-            saving = max(0.0, copy_saving(timings, declined, model.params.max_seq_len) * weights)
+            saving = copy_saving(timings, declined, model.params.max_seq_len, "fp16", decode_counts(timings))
+            saving = max(0.0, saving * weights)
             logger.info(
                 "No float16 copy for %s: fastest for %s rows, but making it (%.3g s) would take longer than it saves "
                 "over a full context of %d tokens (%.3g s)",
