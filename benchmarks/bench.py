@@ -194,6 +194,7 @@ def decode_step_bytes(model) -> int:
     each."""
     from llama.runtime.cpu import layers_of, product_owners
     from llama.runtime.onnx_dyn import DynLinear
+    from llama.runtime.stacked import StackedInt8
 
     on_copies = set()
     for owner in product_owners(model):  # `packed` maps a kernel to (versions, copy), None where fp16 cannot hold it
@@ -202,8 +203,10 @@ def decode_step_bytes(model) -> int:
             on_copies.update(id(layer.weight) for layer in layers)
     weights = {}  # a tied head and the embedding are one parameter
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]  # quantized: buffers
+    # A stack of int8 layers holds their values, which its layers view: counted once, as the layers' buffers.
+    stacks = {id(t) for m in model.modules() if isinstance(m, StackedInt8) for t in m.buffers()}
     for name, p in tensors:
-        if name != "tok_embeddings.weight" and "kv_cache" not in name:
+        if name != "tok_embeddings.weight" and "kv_cache" not in name and id(p) not in stacks:
             weights[id(p)] = p.numel() * (2 if id(p) in on_copies else p.element_size())
     # An int8-dyn or int4-dyn layer's values live in its ONNX Runtime session: counted as they were made.
     held_elsewhere = [m.values_bytes() for m in model.modules() if isinstance(m, DynLinear) and m.weight is None]

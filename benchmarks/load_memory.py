@@ -83,6 +83,7 @@ def mapped_ranges(suffix: str = ".pth"):
 def worker(ckpt_dir: str, tokenizer_path: str, out_dir: str, dtype: str, quantize: str = None) -> None:
     """One rank: build the Llama while watching memory, and write rank{R}.json to out_dir."""
     from llama import Llama
+    from llama.runtime.stacked import StackedInt8
     from llama.tokenizer import Tokenizer
 
     rank = int(os.environ.get("RANK", 0))
@@ -100,7 +101,10 @@ def worker(ckpt_dir: str, tokenizer_path: str, out_dir: str, dtype: str, quantiz
     peak_rss = max(after["VmHWM"], sampler.max_rss) if hwm_reset else sampler.max_rss
 
     ranges = mapped_ranges()
-    params = [*generator.model.parameters(), *(b for n, b in generator.model.named_buffers() if "kv_cache" not in n)]
+    # A stack of int8 layers (`llama.runtime.stacked`) holds their values, which its layers view: counted there.
+    stacks = {id(b) for m in generator.model.modules() if isinstance(m, StackedInt8) for b in m.buffers()}
+    buffers = [b for n, b in generator.model.named_buffers() if "kv_cache" not in n and id(b) not in stacks]
+    params = [*generator.model.parameters(), *buffers]
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     mapped_bytes = sum(
         p.numel() * p.element_size() for p in params if any(lo <= p.data_ptr() < hi for lo, hi in ranges)

@@ -8,7 +8,8 @@ runs here, and everything it runs on. `for_runtime` applies it, in named steps, 
 - `parallel_layers`: the layers every device runs (`ParallelLinear`, `ParallelEmbedding`) and `MeasuredLinear`, whose
   kernel per row count is chosen by measuring;
 - `cpu`: the CPU's float kernels, their choice and the kernel cache; `quantized` and `quantized_kernels`: the
-  quantized layers, their products and their choice; `timing`: the timers every choice is made with;
+  quantized layers, their products and their choice; `stacked`: int8 layers of one input as one product on the CPU;
+  `timing`: the timers every choice is made with;
 - `cuda_graphs` and `compiled`: the decode step replayed as CUDA graphs, or compiled by torch.compile.
 
 The names below are those the rest of the package uses; the tests and benchmarks reach the modules themselves.

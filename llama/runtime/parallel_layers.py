@@ -15,6 +15,7 @@ docs/speed.md).
 """
 
 import collections
+import itertools
 from typing import Callable, Dict, Optional
 
 import fairscale.nn.model_parallel.initialize as fs_init
@@ -82,6 +83,10 @@ class MeasuredLinear(ParallelLinear):
     `kernels` maps row counts to kernel names: an input of n rows runs on the kernel of the smallest count that is at
     least n, or of the largest count (a long prompt); with none chosen, on `default_kernel()`."""
 
+    # How many of the model's layers its product stands for in the load report (`kernels_in_use`): 0 for a layer
+    # whose product runs inside a stack of layers (`llama.runtime.stacked`), the stack's layers for the stack.
+    layer_count = 1
+
     def __init__(self, layer: nn.Module):
         super().__init__(layer)
         self.kernels = {}
@@ -109,11 +114,13 @@ def kernels_in_use(model: nn.Module) -> Optional[str]:
     """The kernels the `MeasuredLinear` layers of `model` run on at each row count any of them was chosen for, each
     with the number of layers that run it: "1 row: mv 64, linear 49; 256 rows: fp16 113". None where there are no
     such layers (float layers off the CPU: `F.linear`)."""
-    layers = [layer for layer in model.modules() if isinstance(layer, MeasuredLinear)]
+    layers = [layer for layer in model.modules() if isinstance(layer, MeasuredLinear) and layer.layer_count]
     if not layers:
         return None
     row_counts = sorted({rows for layer in layers for rows in layer.kernels}) or [1]
-    counts = {rows: collections.Counter(layer.kernel_for(rows) for layer in layers) for rows in row_counts}
+    counts = {rows: collections.Counter() for rows in row_counts}
+    for rows, layer in itertools.product(row_counts, layers):
+        counts[rows][layer.kernel_for(rows)] += layer.layer_count
     return "; ".join(
         f"{rows} row{'s' * (rows > 1)}: " + ", ".join(f"{kernel} {n}" for kernel, n in counted.most_common())
         for rows, counted in counts.items()

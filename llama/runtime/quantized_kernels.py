@@ -89,6 +89,8 @@ def choose_quantized_kernels(model: nn.Module, max_seq_len: int, decode_rows: in
     for layer in model.modules():
         if not isinstance(layer, QuantizedLinear) or len(layer.products(2)) < 2:
             continue  # one way to compute it: nothing to choose
+        if not layer.layer_count:
+            continue  # run inside a stack of layers, whose product is chosen
         key = (type(layer).__name__, layer.out_features, layer.in_features)
         if key not in choices:
             pinned = pinned_product(layer)

@@ -32,6 +32,7 @@ from llama.runtime.parallel_layers import InferenceLayer, ParallelEmbedding, Par
 from llama.runtime.quantized import Int8Linear, is_quantized
 from llama.runtime.quantized_kernels import choose_quantized_kernels
 from llama.runtime.schemes import quantize_layer, quantize_named_layer
+from llama.runtime.stacked import stacked_int8
 from llama.runtime.transformer import DecodeStep, FuseProducts, RuntimeTransformer
 
 LINEAR = (ColumnParallelLinear, RowParallelLinear)
@@ -130,11 +131,12 @@ def replace_layers(model: nn.Module, kind, replacement) -> int:
 
 
 def fuse_products(copies: int) -> FuseProducts:
-    """Step 2's fused products: int8-dyn and int4-dyn layers as one ONNX Runtime session (`fused_dyn`); float layers
-    on the CPU's kernels as one copy, where `copies` (`fused_product`)."""
+    """Step 2's fused products: int8-dyn and int4-dyn layers as one ONNX Runtime session (`fused_dyn`); int8 layers
+    on the CPU as one stacked weight (`stacked_int8`); float layers on the CPU's kernels as one copy, where `copies`
+    (`fused_product`)."""
 
     def fuse(name: str, *layers: nn.Module) -> Optional[nn.Module]:
-        return fused_dyn(*layers) or (fused_product(name, *layers) if copies else None)
+        return fused_dyn(*layers) or stacked_int8(*layers) or (fused_product(name, *layers) if copies else None)
 
     return fuse
 
