@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from llama.runtime.cpu.cache import KernelCache, Measured
-from llama.runtime.cpu.choice import CacheFlush, copy_saving, repaid_copies
+from llama.runtime.cpu.choice import CacheFlush
+from llama.runtime.cpu.copies import copy_saving, repaid_copies
 from llama.runtime.cpu.integer import pack_int8, split_product
 from llama.runtime.cpu.widened import cpu_int4_block_rows, widened_in_blocks, widened_int4_in_blocks
 from llama.runtime.quantized import (

@@ -38,7 +38,6 @@ from llama.runtime.cpu.choice import (
     PROMPT_SAMPLE_VALUES,
     PROMPT_TIMED_ROUNDS,
     TIMED_ROUNDS,
-    calls_per_context,
     choose_kernels,
     copies_that_fit,
     kernels_for,
@@ -48,6 +47,7 @@ from llama.runtime.cpu.choice import (
     time_kernels,
     weight_sample,
 )
+from llama.runtime.cpu.copies import calls_per_context
 from llama.runtime.cpu.kernels import (
     ATTENTION_KERNELS,
     FP16_BLOCK_VALUES,

@@ -7,13 +7,14 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Collection, Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn as nn
 
 from llama.distributed import free_memory
 from llama.runtime.cpu.cache import KernelCache, Measured, last_level_cache_bytes
+from llama.runtime.cpu.copies import copy_saving, repaid_copies
 from llama.runtime.cpu.kernels import (
     KERNEL_VARIABLE,
     KERNELS,
@@ -182,13 +183,6 @@ def kernel_calls(job: Job, samples: Dict[tuple, tuple], x: torch.Tensor) -> Dict
     return calls
 
 
-def calls_per_context(rows: int, max_seq_len: int, decode_counts: Collection[int]) -> float:
-    """How many products of `rows` rows one full context takes: a decode step per position where a decode step runs
-    the kernel chosen for `rows` (`rows` in `decode_counts`: one sequence, the batch, a verification), else prompts
-    of `rows` tokens filling it."""
-    return max_seq_len if rows in decode_counts else max_seq_len / rows
-
-
 def kernels_for(measured: Dict[int, Measured], max_seq_len: int) -> Dict[int, str]:
     """The kernel for each row count: the fastest measured, except that a float16 copy is made only where it pays
     (`repaid_copies`): a copy that would speed up only the prompts may take longer to make than it ever saves
@@ -200,33 +194,6 @@ def kernels_for(measured: Dict[int, Measured], max_seq_len: int) -> Dict[int, st
 def decode_counts(measured: Dict[int, Measured]) -> List[int]:
     """The row counts of `measured` (`row_counts`) that decode steps run: all but a prompt's."""
     return [rows for rows in measured if rows < PROMPT_ROWS]
-
-
-def repaid_copies(
-    measured: Dict[int, Measured], max_seq_len: int, kernel: str, making: float, decode_counts: Collection[int]
-) -> Dict[int, str]:
-    """The fastest of `measured`'s kernels for each row count, but `kernel`, which reads a copy of the weights that
-    takes `making` seconds per weight to make, only where the time it would save over one full context at a row
-    count it wins (`calls_per_context`) exceeds that: elsewhere the fastest of the others."""
-    chosen = {rows: m.fastest() for rows, m in measured.items()}
-    wins = [rows for rows, fastest in chosen.items() if fastest == kernel]
-    if wins and copy_saving(measured, wins, max_seq_len, kernel, decode_counts) < making:
-        chosen = {rows: m.fastest(leave_out=kernel) for rows, m in measured.items()}
-    return chosen
-
-
-def copy_saving(
-    measured: Dict[int, Measured], wins: List[int], max_seq_len: int, kernel: str, decode_counts: Collection[int]
-) -> float:
-    """The most a copy read by `kernel` saves per weight over one full context at one of the row counts `wins` it
-    wins, counted from its median timed round against the other kernels' fastest: a lead smaller than the spread of
-    the timings is no lead."""
-    return max(
-        (m.seconds[m.fastest(leave_out=kernel)] - m.median[kernel])
-        * calls_per_context(rows, max_seq_len, decode_counts)
-        for rows, m in measured.items()
-        if rows in wins
-    )
 
 
 def on_one_copy(measured: Dict[int, Measured], chosen: Dict[int, str], dtype: torch.dtype) -> Dict[int, str]:
