@@ -94,35 +94,48 @@ def test_a_decode_step_s_products_are_timed_from_memory_each_on_a_weight_of_its_
     process_group, tmp_path, monkeypatch
 ):
     """At one row and a batch's, every product is timed on a larger sample, a copy of its own that no other product
-    reads into the cache, which is flushed before each round: as a decode step reads each weight from memory. At a
-    prompt's rows, on a smaller sample of the weight itself."""
+    reads into the cache, which is flushed before each round, after which every product runs once on a few rows of
+    its own (its code back in the cache, its timed sample not): as a decode step meets each weight, in memory. At a
+    prompt's rows, on a smaller sample of the weight itself, without flushes."""
     from llama.runtime import quantized_kernels
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(quantized_kernels, "CPU_DECODE_SAMPLE_VALUES", 64 * 128)  # 64 of the layer's 96 rows
     monkeypatch.setattr(quantized_kernels, "CPU_SAMPLE_VALUES", 16 * 128)
-    flushes, weights = [], {}
+    monkeypatch.setattr(quantized_kernels, "WARM_ROWS", 8)
+    events = []  # "flush", or (input rows, product, sample rows, the sample's storage) for each call
 
     def product(name):
         def call(x, **values):
             if "q" in values:  # "split" runs on fbgemm's copy instead
-                weights.setdefault(len(x), {})[name] = values["q"]
+                events.append((len(x), name, len(values["q"]), values["q"].untyped_storage().data_ptr()))
             return x
 
         return call
 
     layer = int8_layer()
     monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", {name: product(name) for name in layer.products(1)})
-    monkeypatch.setattr(quantized_kernels, "CacheFlush", lambda: lambda: flushes.append(len(weights)))
+    monkeypatch.setattr(quantized_kernels, "CacheFlush", lambda: lambda: events.append("flush"))
     quantized_kernels.choose_quantized_kernels(layer, **CHOSEN_FOR)
+    recorded = len(set(layer.products(1)) - {"split"})  # the products that read the int8 values
+    # each flush with the input rows of the call after it
+    tagged = [
+        (next(e for e in events[i:] if e != "flush")[0], e) if e == "flush" else (e[0], e) for i, e in enumerate(events)
+    ]
     for rows in (1, 8):
-        storages = {q.untyped_storage().data_ptr() for q in weights[rows].values()}
-        assert {len(q) for q in weights[rows].values()} == {64}
-        assert len(storages) == len(weights[rows]) and layer.weight.untyped_storage().data_ptr() not in storages
+        calls = [event for at, event in tagged if at == rows]
+        flushes = [i for i, event in enumerate(calls) if event == "flush"]
+        assert len(flushes) == 3  # one a timed round
+        timed = {event[3] for event in calls if event != "flush" and event[2] == 64}
+        assert len(timed) == recorded and layer.weight.untyped_storage().data_ptr() not in timed
+        for i in flushes:
+            warm, then = calls[i + 1 : i + 1 + recorded], calls[i + 1 + recorded : i + 1 + 2 * recorded]
+            assert {event[2] for event in warm} == {8} and not {event[3] for event in warm} & timed
+            assert {event[2] for event in then} == {64}
     for rows in (64, 256):
-        assert {len(q) for q in weights[rows].values()} == {16}
-        assert {q.untyped_storage().data_ptr() for q in weights[rows].values()} == {layer.weight.data_ptr()}
-    assert len(flushes) == 6 and set(flushes) == {1, 2}  # 3 rounds each at 1 and 8 rows, none at 64 or 256
+        samples = {(event[2], event[3]) for event in events if event != "flush" and event[0] == rows}
+        assert samples == {(16, layer.weight.untyped_storage().data_ptr())}
+    assert events.count("flush") == 6  # 3 rounds each at 1 and 8 rows, none at 64 or 256
 
 
 def test_the_cpu_chooses_an_int8_product_per_row_count_by_timing_them(process_group, tmp_path, monkeypatch):

@@ -54,6 +54,10 @@ CPU_SAMPLE_VALUES = 2**22
 # int8 kernel took half the "split" product's time there, and about twice it from memory.
 CPU_DECODE_SAMPLE_VALUES = 2**24
 CPU_PROMPT_ROWS = 64
+# The rows each product runs on after each flush of a decode step's timing, to bring its code back into the cache
+# (not its timed sample): after a flush alone the "split" product, a dozen operations, took some 0.25 ms longer a
+# call than in a decode step, and lost to PyTorch's int8 kernel on weights where it wins there.
+WARM_ROWS = 64
 CPU_INT8_PRODUCTS = {
     "int8": int8_kernel_product,
     "split": split_product,  # on fbgemm's copy of the sample (`cpu_timings`)
@@ -71,9 +75,9 @@ CPU_INT4_PRODUCTS = {
 }
 # Part of each CPU product's cache key, raised when a product's code changes its speed or how it is timed (2: the
 # widened products' buffers reused from call to call, int4's unpacked outputs by inputs, the "_left" products added;
-# 3: a decode step's products timed from memory, "split" added; 4: timings per weight, with the split's copy's time):
-# timings cached before no longer hold.
-CPU_PRODUCTS_REVISION = 4
+# 3: a decode step's products timed from memory, "split" added; 4: timings per weight, with the split's copy's time;
+# 5: each product's code brought back into the cache after each flush): timings cached before no longer hold.
+CPU_PRODUCTS_REVISION = 5
 PRODUCT_VARIABLE = "LLAMA_QUANTIZED_PRODUCT"  # pins one product (`pinned_product`)
 SCREEN = 4  # products more than this many times slower than the best at a first, eager call are not timed further
 
@@ -169,36 +173,59 @@ def pinned_product(layer: QuantizedLinear) -> Optional[str]:
 def cpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
     """Each CPU product's time for `rows` rows per weight, timed on the weight's first rows (for int4 whole blocks of
     its kernel's layout): each output row is computed alone, so its time per weight is the whole weight's. For a
-    decode step's rows, on a larger sample read from memory (`CPU_DECODE_SAMPLE_VALUES`). With "split", the time
-    its copy takes to make per weight, on one of the threads a load packs on."""
+    decode step's rows, on a larger sample read from memory (`CPU_DECODE_SAMPLE_VALUES`), each round after a flush
+    of the caches and a call of every product on a few rows of its own (`WARM_ROWS`): as a decode step meets each
+    product, its weight in memory, its code in the cache from the step before. With "split", the time its copy takes
+    to make per weight, on one of the threads a load packs on."""
     decoding = rows < CPU_PROMPT_ROWS
     sample = max(1, (CPU_DECODE_SAMPLE_VALUES if decoding else CPU_SAMPLE_VALUES) // layer.in_features)
-    offered = layer.products(rows)
-    if isinstance(layer, Int8Linear):
-        values = dict(q=layer.weight[:sample], scales=layer.scales[:sample])
-        products = CPU_INT8_PRODUCTS
-    else:
-        block_rows = cpu_int4_block_rows()
-        sample = max(block_rows, sample // block_rows * block_rows)
-        scales_and_zeros = layer.scales_and_zeros[:, :sample]
-        values = dict(packed=layer.weight[:sample], scales_and_zeros=scales_and_zeros, group_size=layer.group_size)
-        products = CPU_INT4_PRODUCTS
+    offered = [name for name in cpu_products(layer) if name in layer.products(rows)]
     calls, making = {}, None
-    for name in [name for name in products if name in offered]:
-        if name == "split":  # on fbgemm's copy of the sample
-            start = time.perf_counter()
-            own = dict(pieces=pack_int8(**values))
+    for name in offered:  # decoding, each on a copy of its own, which no other product's call brings into the cache
+        start = time.perf_counter()
+        calls[name] = sample_call(layer, name, sample, copy=decoding)
+        if name == "split":  # the time fbgemm took to pack its copy
             making = time.perf_counter() - start
-        else:  # decoding, each on a copy of its own, which no other product's call brings into the cache
-            own = {k: v.clone() if decoding and isinstance(v, torch.Tensor) else v for k, v in values.items()}
-        calls[name] = functools.partial(products[name], **own)
     x = torch.randn(rows, layer.in_features, dtype=layer.activation_dtype())
-    found = product_timings(calls, x, 3, CacheFlush() if decoding else None)
-    weights = min(sample, layer.out_features) * layer.in_features  # in the sample timed
+    flush = None
+    if decoding:
+        evict, warm = CacheFlush(), [sample_call(layer, name, WARM_ROWS, copy=True) for name in offered]
+        flush = lambda: [evict(), *(call(x) for call in warm)]  # noqa: E731
+    found = product_timings(calls, x, 3, flush)
+    weights = sample_rows(layer, sample) * layer.in_features  # in the sample timed
     per_weight = {kernel: seconds / weights for kernel, seconds in found.seconds.items()}
     median = {kernel: seconds / weights for kernel, seconds in found.median.items()}
     split_copy = None if making is None else making / weights / torch.get_num_threads()
     return Measured(per_weight, median, split_copy=split_copy)
+
+
+def cpu_products(layer: QuantizedLinear) -> Dict[str, Callable]:
+    """The CPU's products of `layer`'s scheme, by name."""
+    return CPU_INT8_PRODUCTS if isinstance(layer, Int8Linear) else CPU_INT4_PRODUCTS
+
+
+def sample_rows(layer: QuantizedLinear, rows: int) -> int:
+    """The rows of a sample of about `rows` of `layer`'s rows: for int4 whole blocks of its kernel's layout."""
+    if isinstance(layer, Int4Linear):
+        block_rows = cpu_int4_block_rows()
+        rows = max(block_rows, rows // block_rows * block_rows)
+    return min(rows, layer.out_features)
+
+
+def sample_call(layer: QuantizedLinear, name: str, rows: int, copy: bool) -> functools.partial:
+    """Product `name` of `layer` on its first rows (`sample_rows`), as a function of the input: for "split" on
+    fbgemm's copy of them, else on them, or on a copy of them (`copy`)."""
+    rows = sample_rows(layer, rows)
+    if isinstance(layer, Int8Linear):
+        values = dict(q=layer.weight[:rows], scales=layer.scales[:rows])
+    else:
+        scales_and_zeros = layer.scales_and_zeros[:, :rows]
+        values = dict(packed=layer.weight[:rows], scales_and_zeros=scales_and_zeros, group_size=layer.group_size)
+    if name == "split":
+        own = dict(pieces=pack_int8(**values))
+    else:
+        own = {k: v.clone() if copy and isinstance(v, torch.Tensor) else v for k, v in values.items()}
+    return functools.partial(cpu_products(layer)[name], **own)
 
 
 def gpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
