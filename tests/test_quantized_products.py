@@ -94,9 +94,9 @@ def test_a_decode_step_s_products_are_timed_from_memory_each_on_a_weight_of_its_
     process_group, tmp_path, monkeypatch
 ):
     """At one row and a batch's, every product is timed on a larger sample, a copy of its own that no other product
-    reads into the cache, which is flushed before each round, after which every product runs once on a few rows of
-    its own (its code back in the cache, its timed sample not): as a decode step meets each weight, in memory. At a
-    prompt's rows, on a smaller sample of the weight itself, without flushes."""
+    reads into the cache, which is flushed before each round, each timed call right after a call of the same product
+    on a few rows of its own (its code back in the cache, its timed sample not): as a decode step meets each weight,
+    in memory. At a prompt's rows, on a smaller sample of the weight itself, without flushes."""
     from llama.runtime import quantized_kernels
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -128,8 +128,10 @@ def test_a_decode_step_s_products_are_timed_from_memory_each_on_a_weight_of_its_
         assert len(flushes) == 3  # one a timed round
         timed = {event[3] for event in calls if event != "flush" and event[2] == 64}
         assert len(timed) == recorded and layer.weight.untyped_storage().data_ptr() not in timed
-        for i in flushes:
-            warm, then = calls[i + 1 : i + 1 + recorded], calls[i + 1 + recorded : i + 1 + 2 * recorded]
+        for i in flushes:  # each timed call right after the same product's call on 8 rows of its own
+            after = calls[i + 1 : i + 1 + 2 * recorded]
+            warm, then = after[0::2], after[1::2]
+            assert [event[1] for event in warm] == [event[1] for event in then]
             assert {event[2] for event in warm} == {8} and not {event[3] for event in warm} & timed
             assert {event[2] for event in then} == {64}
     for rows in (64, 256):

@@ -54,9 +54,10 @@ CPU_SAMPLE_VALUES = 2**22
 # int8 kernel took half the "split" product's time there, and about twice it from memory.
 CPU_DECODE_SAMPLE_VALUES = 2**24
 CPU_PROMPT_ROWS = 64
-# The rows each product runs on after each flush of a decode step's timing, to bring its code back into the cache
-# (not its timed sample): after a flush alone the "split" product, a dozen operations, took some 0.25 ms longer a
-# call than in a decode step, and lost to PyTorch's int8 kernel on weights where it wins there.
+# The rows each product runs on, untimed, right before each of its timed calls for a decode step, to bring its code
+# back into the cache (not its timed sample): after a flush, or after another product's call, the "split" product (a
+# dozen operations) took some 0.25 ms longer a call than in a decode step, and lost to PyTorch's int8 kernel on
+# weights where it wins there.
 WARM_ROWS = 64
 CPU_INT8_PRODUCTS = {
     "int8": int8_kernel_product,
@@ -76,7 +77,7 @@ CPU_INT4_PRODUCTS = {
 # Part of each CPU product's cache key, raised when a product's code changes its speed or how it is timed (2: the
 # widened products' buffers reused from call to call, int4's unpacked outputs by inputs, the "_left" products added;
 # 3: a decode step's products timed from memory, "split" added; 4: timings per weight, with the split's copy's time;
-# 5: each product's code brought back into the cache after each flush): timings cached before no longer hold.
+# 5: each product's code brought back into the cache before each timed call): timings cached before no longer hold.
 CPU_PRODUCTS_REVISION = 5
 PRODUCT_VARIABLE = "LLAMA_QUANTIZED_PRODUCT"  # pins one product (`pinned_product`)
 SCREEN = 4  # products more than this many times slower than the best at a first, eager call are not timed further
@@ -173,10 +174,10 @@ def pinned_product(layer: QuantizedLinear) -> Optional[str]:
 def cpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
     """Each CPU product's time for `rows` rows per weight, timed on the weight's first rows (for int4 whole blocks of
     its kernel's layout): each output row is computed alone, so its time per weight is the whole weight's. For a
-    decode step's rows, on a larger sample read from memory (`CPU_DECODE_SAMPLE_VALUES`), each round after a flush
-    of the caches and a call of every product on a few rows of its own (`WARM_ROWS`): as a decode step meets each
-    product, its weight in memory, its code in the cache from the step before. With "split", the time its copy takes
-    to make per weight, on one of the threads a load packs on."""
+    decode step's rows, on a larger sample read from memory (`CPU_DECODE_SAMPLE_VALUES`): each round after a flush of
+    the caches, each timed call right after a call of the same product on a few rows of its own (`WARM_ROWS`), as a
+    decode step meets each product: its weight in memory, its code in the cache. With "split", the time its copy
+    takes to make per weight, on one of the threads a load packs on."""
     decoding = rows < CPU_PROMPT_ROWS
     sample = max(1, (CPU_DECODE_SAMPLE_VALUES if decoding else CPU_SAMPLE_VALUES) // layer.in_features)
     offered = [name for name in cpu_products(layer) if name in layer.products(rows)]
@@ -187,11 +188,11 @@ def cpu_timings(layer: QuantizedLinear, rows: int) -> Measured:
         if name == "split":  # the time fbgemm took to pack its copy
             making = time.perf_counter() - start
     x = torch.randn(rows, layer.in_features, dtype=layer.activation_dtype())
-    flush = None
     if decoding:
-        evict, warm = CacheFlush(), [sample_call(layer, name, WARM_ROWS, copy=True) for name in offered]
-        flush = lambda: [evict(), *(call(x) for call in warm)]  # noqa: E731
-    found = product_timings(calls, x, 3, flush)
+        warm = {name: functools.partial(sample_call(layer, name, WARM_ROWS, copy=True), x) for name in offered}
+        found = product_timings(calls, x, 3, CacheFlush(), warm)
+    else:
+        found = product_timings(calls, x, 3)
     weights = sample_rows(layer, sample) * layer.in_features  # in the sample timed
     per_weight = {kernel: seconds / weights for kernel, seconds in found.seconds.items()}
     median = {kernel: seconds / weights for kernel, seconds in found.median.items()}
@@ -239,13 +240,17 @@ def fastest(products: Dict[str, Callable], x: torch.Tensor, repeats: int = 5) ->
 
 
 def product_timings(
-    products: Dict[str, Callable], x: torch.Tensor, repeats: int = 5, flush: Optional[Callable] = None
+    products: Dict[str, Callable],
+    x: torch.Tensor,
+    repeats: int = 5,
+    flush: Optional[Callable] = None,
+    warm: Optional[Dict[str, Callable]] = None,
 ) -> Measured:
     """The seconds each product takes to run `x`; one that raises (no such kernel on this device or build) is out of
     the running. On the CPU, each one's fastest and median of `repeats` rounds (`time_kernels`, the float kernels'
     timer). On CUDA each is timed as a recorded CUDA graph (`gpu_seconds`), as a decode step runs, unless its first
-    call took `SCREEN` times the best first call: that call's time is then its figure. `flush` (CPU only) is called
-    before each round."""
+    call took `SCREEN` times the best first call: that call's time is then its figure. On the CPU, `flush` is called
+    before each round, and `warm`'s call of a product (if any) right before each of its timed calls."""
     on_cpu = x.device.type == "cpu"
     calls, first = {}, {}
     for name, product in products.items():
@@ -260,7 +265,7 @@ def product_timings(
     if not calls:
         raise ValueError(f"None of the products {sorted(products)} runs on {x.device}")
     if on_cpu:
-        (rounds,) = time_kernels([calls], flush, repeats)
+        (rounds,) = time_kernels([calls], flush, repeats, [warm or {}])
         return Measured({k: min(r) for k, r in rounds.items()}, {k: statistics.median(r) for k, r in rounds.items()})
     seconds = dict(first)
     for name in [name for name in calls if first[name] <= SCREEN * min(first.values())]:

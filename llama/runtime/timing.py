@@ -40,15 +40,19 @@ def median_seconds(call: Callable[[], object], repeats: int, device: Optional[to
 
 
 def time_kernels(
-    runs: List[Dict[str, Callable[[], object]]], flush: Optional[Callable[[], object]], rounds: int = TIMED_ROUNDS
+    runs: List[Dict[str, Callable[[], object]]],
+    flush: Optional[Callable[[], object]],
+    rounds: int = TIMED_ROUNDS,
+    warm: Optional[List[Dict[str, Callable[[], object]]]] = None,
 ) -> List[Dict[str, List[float]]]:
     """For each product (a dict of its kernels' calls), each kernel's time in seconds in each of `rounds` rounds,
     after a warm-up round (where oneDNN builds its primitives and mapped weights are read in). Within a round every
     product's kernels take turns, so that a slow spell of a shared machine falls on all of them. Each round starts
     with `flush` (if any), which evicts the caches, since in a decode step each weight comes from memory, the rest
     of the model having been read since; every kernel of every product runs on weights of its own, so no call brings
-    the next one's weights into the cache, and one flush serves the whole round. A kernel more than twice as slow as
-    its product's best after a round is not timed again."""
+    the next one's weights into the cache, and one flush serves the whole round. `warm` (for each product, a call of
+    some of its kernels, on weights of their own) runs, untimed, right before each of those kernels' timed calls. A
+    kernel more than twice as slow as its product's best after a round is not timed again."""
     for product in runs:
         for run in product.values():
             run()
@@ -57,8 +61,10 @@ def time_kernels(
     for _ in range(rounds):
         if flush is not None:
             flush()
-        for product, times, kernels in zip(runs, found, still_timed):
+        for product, times, kernels, before in zip(runs, found, still_timed, warm or [{}] * len(runs)):
             for kernel in kernels:
+                if kernel in before:
+                    before[kernel]()
                 times[kernel].append(timed(product[kernel]))
         for times, kernels in zip(found, still_timed):
             best = {kernel: min(seconds) for kernel, seconds in times.items()}
