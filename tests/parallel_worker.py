@@ -123,7 +123,7 @@ def skew_kernel_timings(rank: int) -> None:
     import llama.runtime.cpu.choice
     import llama.runtime.quantized_kernels
 
-    def time_kernels(runs, flush, rounds):
+    def time_kernels(runs, flush, rounds, warm=None):
         timings = []
         for calls in runs:
             fastest = list(calls)[0 if rank == 0 else -1]
