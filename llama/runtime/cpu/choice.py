@@ -188,11 +188,13 @@ def kernels_for(measured: Dict[int, Measured], max_seq_len: int) -> Dict[int, st
     (`repaid_copies`): a copy that would speed up only the prompts may take longer to make than it ever saves
     (docs/speed.md, "How the CPU kernels are chosen")."""
     making = max((m.fp16_copy or 0.0 for m in measured.values()), default=0.0)
-    return repaid_copies(measured, max_seq_len, "fp16", making, decode_counts(measured))
+    return repaid_copies(measured, max_seq_len, "fp16", making, counts_below_a_prompt(measured))
 
 
-def decode_counts(measured: Dict[int, Measured]) -> List[int]:
-    """The row counts of `measured` (`row_counts`) that decode steps run: all but a prompt's."""
+def counts_below_a_prompt(measured: Dict[int, Measured]) -> List[int]:
+    """The row counts of `measured` (`row_counts`: one row, the batch, a verification, a prompt) that decode steps
+    run: all but the prompt's. (The quantized products' row counts are fixed instead, and which of them decode steps
+    run depends on the batch: `llama.runtime.quantized_kernels.decode_counts`.)"""
     return [rows for rows in measured if rows < PROMPT_ROWS]
 
 
@@ -280,7 +282,7 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: int) -> Dict[CPU
                 layer.weight.numel() for group in all_products for layer in group if product_name(group) == name
             )
             making = max(m.fp16_copy for m in timings.values() if m.fp16_copy is not None) * weights
-            saving = copy_saving(timings, declined, model.params.max_seq_len, "fp16", decode_counts(timings))
+            saving = copy_saving(timings, declined, model.params.max_seq_len, "fp16", counts_below_a_prompt(timings))
             saving = max(0.0, saving * weights)
             logger.info(
                 "No float16 copy for %s: fastest for %s rows, but making it (%.3g s) would take longer than it saves "
