@@ -6,7 +6,7 @@ integers on fbgemm's copy of the weight) and int4 (PyTorch's kernel, or widened 
 
 Which one is fastest depends on the device, the PyTorch build and the weight's shape (docs/cuda.md has the figures),
 so it is measured, not assumed. The products give the same values up to the order of float32 sums, where the widened
-weight is rounded, and the split's rounding of the activations (within 1/16,002 of a row's largest magnitude), so a
+weight is rounded, and the split's rounding of the activations (within 1/15,876 of a row's largest magnitude), so a
 choice once timed is kept in the kernel cache (`KernelCache`, with the CPU's float kernels): every later load on this
 machine runs the same products and gives the same results.
 """

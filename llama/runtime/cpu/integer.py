@@ -6,7 +6,7 @@ memory's speed or less, docs/quantize.md). fbgemm multiplies 8-bit activations b
 memory speed, but rounds each call's activations to 8 bits, far from the weight-only accuracy. Here the activations
 are instead written exactly enough as two integer rows: a coarse part, each value rounded to a 63rd of its row's
 largest magnitude, and a fine part, what the coarse one leaves rounded to a 126th of that step. What is lost is at
-most 1/16,002 of the row's largest magnitude, against bfloat16's own rounding of each value by up to 1/512 of it.
+most 1/15,876 of the row's largest magnitude, against bfloat16's own rounding of each value by up to 1/512 of it.
 Two rows cost one row's time where reading the weight is what takes the time.
 
 Offered for 16-bit activations only (`Int8Linear.products`). Seven bits, not eight: fbgemm's AVX2 kernels add pairs
@@ -52,18 +52,18 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> List[object]:
 
 
 def split_activations(rows: torch.Tensor):
-    """(coarse and fine parts stacked, integers in [-LEVELS, LEVELS] held in float32; their steps) of float32 `rows`,
-    one step each per row: rows == coarse * coarse_step + fine * fine_step, to within fine_step / 2. Written with
-    few operations, each into the parts' own memory: on one row their count is what the split costs."""
+    """(coarse and fine parts stacked, integers in [-LEVELS, LEVELS] held in float32; the coarse parts' step, one per
+    row) of `rows` (16-bit or float32): rows == (coarse + fine / FINE_STEPS) * step, to within step / 2 / FINE_STEPS.
+    Written with few operations, each into the parts' own memory: on one row their count is what the split costs."""
     count = len(rows)
-    largest = rows.abs().amax(-1, keepdim=True)
-    coarse_step = largest.clamp_min_(torch.finfo(torch.float32).tiny).div_(LEVELS)
-    fine_step = coarse_step / FINE_STEPS
+    step = rows.abs().amax(-1, keepdim=True).float()  # exact in float32: each row's largest magnitude
+    step.clamp_min_(torch.finfo(torch.float32).tiny).div_(LEVELS)
     parts = torch.empty(2 * count, rows.shape[-1])
-    coarse = torch.div(rows, coarse_step, out=parts[:count]).round_()
-    fine = torch.addcmul(rows, coarse, coarse_step, value=-1, out=parts[count:])
-    fine.div_(fine_step).round_().clamp_(-LEVELS, LEVELS)
-    return parts, coarse_step, fine_step
+    levels = torch.div(rows, step, out=parts[count:])  # each value in coarse steps, within [-LEVELS, LEVELS]
+    coarse = torch.round(levels, out=parts[:count])
+    # What the coarse part leaves, at most half a coarse step, in fine steps: within [-LEVELS, LEVELS].
+    levels.sub_(coarse).mul_(FINE_STEPS).round_()
+    return parts, step
 
 
 def integer_sums(levels: torch.Tensor, packed) -> torch.Tensor:
@@ -74,14 +74,13 @@ def integer_sums(levels: torch.Tensor, packed) -> torch.Tensor:
 
 def split_product(x: torch.Tensor, pieces: List[object]) -> torch.Tensor:
     """The product of `x` and a weight packed by `pack_int8`, in `x`'s dtype (see the module's docstring)."""
-    rows = x.reshape(-1, x.shape[-1]).float()
-    parts, coarse_step, fine_step = split_activations(rows)
+    rows = x.reshape(-1, x.shape[-1])
+    parts, step = split_activations(rows)
     if len(pieces) == 1:
         sums = integer_sums(parts, pieces[0])
     else:
         sums = torch.cat([integer_sums(parts, piece) for piece in pieces], dim=1)
-    coarse, fine = sums[: len(rows)], sums[len(rows) :]
-    y = torch.addcmul(coarse.mul_(coarse_step), fine, fine_step)
+    y = torch.add(sums[: len(rows)], sums[len(rows) :], alpha=1 / FINE_STEPS).mul_(step)
     return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
