@@ -26,11 +26,19 @@ llama decodes through its compiled step), peak memory (max RSS on CPU, max alloc
 The decode roofline is the measured memory bandwidth (a large read) divided by the bytes one decode step must
 read at batch 1; on a shared machine the bandwidth changes from minute to minute, so each batch-1 decode run is
 followed at once by its own bandwidth read, and the share reached is the median over those pairs.
+
+With --rounds N, every library is measured N times, round after round (each round runs every dtype and llama.cpp
+type once), so that a drift of the machine's memory speed falls on all of them alike: the table gives each figure's
+median over the rounds, and then each round's batch-1 decode, our speed against llama.cpp's and, for a quantized
+dtype, against our bfloat16 of the same round, so that a ratio comes with its spread:
+
+    python benchmarks/bench.py --shapes 1b --dtypes bfloat16 int8 int4 --rounds 3
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -470,6 +478,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="llama decodes with Llama.build(compile=True)")
     parser.add_argument("--no_cuda_graphs", action="store_true", help="llama decodes eagerly on CUDA (no graphs)")
     parser.add_argument("--no_llama_cpp", action="store_true", help="leave llama.cpp out even where installed")
+    parser.add_argument("--rounds", type=int, default=1, help="measure everything this many times, interleaved")
     # Internal: one measurement in a fresh process.
     parser.add_argument("--worker", choices=["llama", "transformers", "llama.cpp"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
@@ -494,6 +503,24 @@ def main() -> None:
     with_llama_cpp = opts.device == "cpu" and not opts.no_llama_cpp and llama_cpp_importable()
     tokenizer_path = opts.tokenizer_path or default_tokenizer()
     opts.workdir.mkdir(parents=True, exist_ok=True)
+    if opts.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, not {opts.rounds}")
+    rounds = [measure_round(shapes, opts, tokenizer_path, with_llama_cpp, r) for r in range(opts.rounds)]
+    rows = medians_of(rounds)
+    print_table(rows, opts.prefill_lens)
+    if len(rounds) > 1:
+        print_rounds(rounds)
+    print(machine)
+    if not with_llama_cpp:
+        print("llama.cpp left out: `CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python gguf` adds it (CPU only)")
+    if opts.json:
+        opts.json.write_text(json.dumps(rows if len(rounds) == 1 else {"medians": rows, "rounds": rounds}, indent=2))
+
+
+def measure_round(shapes, opts, tokenizer_path: str, with_llama_cpp: bool, round_index: int) -> list:
+    """One round: every shape, dtype and library measured once, llama.cpp's types once per shape. A row per shape
+    and dtype."""
+    tag = f"round {round_index + 1}: " if opts.rounds > 1 else ""
     rows = []
     for shape in shapes:
         # The other formats are written after llama's first measurement, which a run cut short then has.
@@ -503,22 +530,64 @@ def main() -> None:
         for dtype in opts.dtypes:
             results = {}
             for library in ("llama",) if dtype in QUANTIZED else ("llama", "transformers"):
-                log(f"{shape} {dtype}: {library} ...")
+                log(f"{tag}{shape} {dtype}: {library} ...")
                 folder = meta if library == "llama" else hf_checkpoint(meta)
                 results[library] = run_worker(library, folder, shape, dtype, opts)
                 share = roofline_share(results[library]["decode_b1_runs"], results[library]["step_bytes"])
-                log(f"{shape} {dtype}: {library}: {json.dumps(results[library])}; b1 roofline reached: {share:.0%}")
+                log(
+                    f"{tag}{shape} {dtype}: {library}: {json.dumps(results[library])}; b1 roofline reached: {share:.0%}"
+                )
             for kind in LLAMA_CPP_TYPES if with_llama_cpp and not cpp else ():  # once per shape: its own types
-                log(f"{shape}: llama.cpp {kind} ...")
+                log(f"{tag}{shape}: llama.cpp {kind} ...")
                 cpp[kind] = run_worker("llama.cpp", gguf_file(meta, kind), shape, "-", opts)
-                log(f"{shape}: llama.cpp {kind}: {json.dumps(cpp[kind])}")
+                log(f"{tag}{shape}: llama.cpp {kind}: {json.dumps(cpp[kind])}")
             rows.append(dict(shape=shape, dtype=dtype, read_s=read_s, llama_cpp=cpp, **{"transformers": {}, **results}))
-    print_table(rows, opts.prefill_lens)
-    print(machine)
-    if not with_llama_cpp:
-        print("llama.cpp left out: `CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python gguf` adds it (CPU only)")
-    if opts.json:
-        opts.json.write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+def medians_of(rounds: list) -> list:
+    """The rows of several rounds as one: each number the median over the rounds, the batch-1 decode runs of every
+    round together (each with its own bandwidth read), anything else (kernels, attention) as the first round had it."""
+
+    def merged(results: list) -> dict:
+        figures = {}
+        for key, first in results[0].items():
+            values = [result[key] for result in results if key in result]
+            if key == "decode_b1_runs":
+                figures[key] = [run for runs in values for run in runs]
+            elif isinstance(first, (int, float)) and not isinstance(first, bool):
+                figures[key] = statistics.median(values)
+            else:
+                figures[key] = first
+        return figures
+
+    rows = []
+    for same in zip(*rounds):  # the same shape and dtype in each round
+        cpp = {kind: merged([row["llama_cpp"][kind] for row in same]) for kind in same[0]["llama_cpp"]}
+        libraries = {
+            name: merged([row[name] for row in same]) if same[0][name] else {} for name in ("llama", "transformers")
+        }
+        rows.append(dict(same[0], llama_cpp=cpp, **libraries))
+    return rows
+
+
+def print_rounds(rounds: list) -> None:
+    """Each round's batch-1 decode (tokens/s, the best of its runs): ours against llama.cpp's closest type and, for a
+    quantized dtype, against our bfloat16 of the same round and shape."""
+    print()
+    for index, row in enumerate(rounds[0]):
+        peer = LLAMA_CPP_PEER[row["dtype"]]
+        cells = []
+        for rows in rounds:
+            ours = rows[index]["llama"]["decode_b1_tok_s"]
+            leads = []
+            if peer in rows[index]["llama_cpp"] and row["dtype"] != "float32":
+                leads.append(f"{ours / rows[index]['llama_cpp'][peer]['decode_b1_tok_s']:.2f}x {peer}")
+            bf16 = [r["llama"] for r in rows if r["shape"] == row["shape"] and r["dtype"] == "bfloat16"]
+            if row["dtype"] in QUANTIZED and bf16:
+                leads.append(f"{ours / bf16[0]['decode_b1_tok_s']:.2f}x bfloat16")
+            cells.append(f"{ours:.1f}" + (f" ({', '.join(leads)})" if leads else ""))
+        print(f"{row['shape']:6} {row['dtype']:9} decode b1 tok/s, each round: {'; '.join(cells)}")
 
 
 def llama_cpp_importable() -> bool:
