@@ -46,6 +46,15 @@ def test_the_two_parts_rebuild_each_row_to_within_half_a_fine_step():
     assert torch.equal(rebuilt[3], torch.zeros(256, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_rows_are_split_as_their_values_in_float32(dtype):
+    """A model's activations reach the split in 16 bits, without a float32 copy first: the parts are those of the
+    same values in float32."""
+    rows = hard_rows()[[0, 1, 2, 3, 6]].to(dtype)  # the rows float16 can hold
+    for ours, theirs in zip(split_activations(rows), split_activations(rows.float())):
+        assert ours.dtype == torch.float32 and torch.equal(ours, theirs)
+
+
 def test_the_split_product_is_the_weight_s_product_within_the_split_s_bound():
     """Weights at int8's extremes and the hard rows: each output within the bound its rounding allows, sum over the
     inputs of |w| times the row's bound, and float32's own rounding of the sums."""
