@@ -24,7 +24,7 @@ from torch import nn
 
 from llama.runtime.cpu.cache import KernelCache, Measured
 from llama.runtime.cpu.choice import CacheFlush
-from llama.runtime.cpu.copies import copy_saving, repaid_copies
+from llama.runtime.cpu.copies import declined_copy, repaid_copies
 from llama.runtime.cpu.integer import pack_int8, split_product
 from llama.runtime.cpu.widened import cpu_int4_block_rows, widened_in_blocks, widened_int4_in_blocks
 from llama.runtime.quantized import (
@@ -136,19 +136,9 @@ def measured_choice(layer: QuantizedLinear, cache: KernelCache, max_seq_len: int
     making = max((found.split_copy or 0.0 for found in measured.values()), default=0.0)
     decoding = decode_counts(row_counts, decode_rows)
     chosen = repaid_copies(measured, max_seq_len, "split", making, decoding)
-    declined = [rows for rows, found in measured.items() if found.fastest() == "split" and chosen[rows] != "split"]
-    if declined:
-        weights = layer.weight.numel()
-        saving = max(0.0, copy_saving(measured, declined, max_seq_len, "split", decoding)) * weights
-        logger.info(
-            "No fbgemm copy for %s: the split product is fastest for %s rows, but making its copy (%.3g s) would take "
-            "longer than it saves over a full context of %d tokens (%.3g s)",
-            product,
-            ", ".join(map(str, declined)),
-            making * weights,
-            max_seq_len,
-            saving,
-        )
+    why = declined_copy(measured, chosen, "split", making, max_seq_len, decoding, layer.weight.numel())
+    if why:
+        logger.info("No fbgemm copy for %s: the split product is %s", product, why)
     return chosen
 
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from llama.distributed import free_memory
 from llama.runtime.cpu.cache import KernelCache, Measured, last_level_cache_bytes
-from llama.runtime.cpu.copies import copy_saving, repaid_copies
+from llama.runtime.cpu.copies import declined_copy, repaid_copies
 from llama.runtime.cpu.kernels import (
     KERNEL_VARIABLE,
     KERNELS,
@@ -276,23 +276,14 @@ def choose_kernels(model: nn.Module, counts: List[int], copies: int) -> Dict[CPU
             chosen[name][rows] = kernel, f"{how}: {figures} ms per million weights"
         for rows, (kernel, how) in chosen[name].items():
             logger.info("CPU kernel for %s, %d rows: %s (%s)", name, rows, kernel, how)
-        declined = [rows for rows, m in timings.items() if m.fastest() == "fp16" and chosen[name][rows][0] != "fp16"]
-        if declined:
-            weights = sum(
-                layer.weight.numel() for group in all_products for layer in group if product_name(group) == name
-            )
-            making = max(m.fp16_copy for m in timings.values() if m.fp16_copy is not None) * weights
-            saving = copy_saving(timings, declined, model.params.max_seq_len, "fp16", counts_below_a_prompt(timings))
-            saving = max(0.0, saving * weights)
-            logger.info(
-                "No float16 copy for %s: fastest for %s rows, but making it (%.3g s) would take longer than it saves "
-                "over a full context of %d tokens (%.3g s)",
-                name,
-                ", ".join(map(str, declined)),
-                making,
-                model.params.max_seq_len,
-                saving,
-            )
+        weights = sum(layer.weight.numel() for group in all_products for layer in group if product_name(group) == name)
+        making = max((m.fp16_copy for m in timings.values() if m.fp16_copy is not None), default=0.0)
+        kernels = {rows: kernel for rows, (kernel, _) in chosen[name].items()}
+        why = declined_copy(
+            timings, kernels, "fp16", making, model.params.max_seq_len, counts_below_a_prompt(timings), weights
+        )
+        if why:
+            logger.info("No float16 copy for %s: %s", name, why)
     cache.save()
     logger.info(
         "CPU kernels chosen for %d products in %.2f s (%d row counts measured)",

@@ -2,7 +2,7 @@
 or float32 weight, fbgemm's copy of an int8 one for the "split" product) runs only where the time it saves over one
 full context repays the time the copy takes to make (docs/speed.md, "How the CPU kernels are chosen")."""
 
-from typing import Collection, Dict, List
+from typing import Collection, Dict, List, Optional
 
 from llama.runtime.cpu.cache import Measured
 
@@ -38,4 +38,26 @@ def copy_saving(
         * calls_per_context(rows, max_seq_len, decode_counts)
         for rows, m in measured.items()
         if rows in wins
+    )
+
+
+def declined_copy(
+    measured: Dict[int, Measured],
+    chosen: Dict[int, str],
+    kernel: str,
+    making: float,
+    max_seq_len: int,
+    decode_counts: Collection[int],
+    weights: int,
+) -> Optional[str]:
+    """Why `kernel`'s copy of `weights` weights (`making` seconds a weight to make) is not made, for the load's log:
+    where `kernel` measured fastest at some row count but `chosen` (`repaid_copies`) runs another there. None where it
+    was never fastest, or its copy is made."""
+    declined = [rows for rows, m in measured.items() if m.fastest() == kernel and chosen[rows] != kernel]
+    if not declined:
+        return None
+    saving = max(0.0, copy_saving(measured, declined, max_seq_len, kernel, decode_counts)) * weights
+    return (
+        f"fastest for {', '.join(map(str, declined))} rows, but making it ({making * weights:.3g} s) would take longer "
+        f"than it saves over a full context of {max_seq_len} tokens ({saving:.3g} s)"
     )
