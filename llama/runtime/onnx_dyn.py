@@ -2,7 +2,7 @@
 ONNX Runtime.
 
 PyTorch's int8 and int4 kernels for the CPU multiply in floating point, and read the weight slower than the memory
-allows (docs/quantize.md). llama.cpp's Q8_0 and Q4_0 read faster because they also round each block of 32
+allows (docs/quantize-kernels.md). llama.cpp's Q8_0 and Q4_0 read faster because they also round each block of 32
 activations to 8 bits and multiply integers. ONNX Runtime's `MatMulNBits` operator (com.microsoft domain,
 `accuracy_level=4`) does the same with its MLAS kernels, on weights with a scale (and for 4 bits an integer zero
 point) per group, and is fast on many rows too. It is an optional dependency (`pip install "llama[onnx]"`);

@@ -1,7 +1,7 @@
 """int8 layers that always take the same input, stacked into one product on the CPU (`StackedInt8`): an attention's
 wq, wk and wv, a feed-forward's w1 and w3. A decode step then makes two int8 products a layer instead of five: each
 call costs some tens of microseconds beyond reading its weight (the "split" product some 100, for splitting its
-input), and a larger weight is read nearer the memory's speed (docs/quantize.md has the figures).
+input), and a larger weight is read nearer the memory's speed (docs/quantize-kernels.md has the figures).
 """
 
 import itertools

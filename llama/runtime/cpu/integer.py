@@ -2,7 +2,7 @@
 integers, both multiplied by the weight in one call of fbgemm's integer kernel, the two results scaled and added.
 
 PyTorch's weight-only int8 kernel multiplies in floating point and is bound by that arithmetic on one row (half the
-memory's speed or less, docs/quantize.md). fbgemm multiplies 8-bit activations by 8-bit weights in integers at
+memory's speed or less, docs/quantize-kernels.md). fbgemm multiplies 8-bit activations by 8-bit weights in integers at
 memory speed, but rounds each call's activations to 8 bits, far from the weight-only accuracy. Here the activations
 are instead written exactly enough as two integer rows: a coarse part, each value rounded to a 63rd of its row's
 largest magnitude, and a fine part, what the coarse one leaves rounded to a 126th of that step. What is lost is at
