@@ -59,8 +59,8 @@ class OpenVinoInt4:
         import openvino.opset13 as ops
 
         out_features, in_features, groups = layer.out_features, layer.in_features, layer.in_features // GROUP
-        codes = pack_nibbles(unpack_cpu_int4(layer.weight, cpu_int4_block_rows())).numpy()
-        scales, zeros = (layer.scales_and_zeros[..., i].t().float().contiguous() for i in (0, 1))
+        nibbles, scales, zeros = layer_values(layer)
+        codes, scales, zeros = nibbles.numpy(), scales.float().contiguous(), zeros.float().contiguous()
         x = ops.parameter([-1, in_features], ov.Type.bf16, name="x")
         rows = ops.convert(x, ov.Type.f32)
         code = ops.constant(owned_copy(codes, [out_features, groups, GROUP], ov.Type.u4))
