@@ -105,10 +105,10 @@ class QuantizedLinear(MeasuredLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # The product found by its name, not through `products`: that dict of what this device offers costs some
         # 20 microseconds a call to build, a millisecond a decode step at 1B; and inside a compiled step its checks
-        # are calls torch.compile cannot trace (the step would fall apart at every layer).
-        if torch.compiler.is_compiling():
-            return getattr(self, f"{self.default_kernel()}_product")(x)
-        return getattr(self, f"{self.kernel_for(x.numel() // x.shape[-1])}_product")(x)
+        # are calls torch.compile cannot trace (the step would fall apart at every layer). A compiled step runs the
+        # default product.
+        kernel = self.default_kernel() if torch.compiler.is_compiling() else self.kernel_for(x.numel() // x.shape[-1])
+        return getattr(self, f"{kernel}_product")(x)
 
 
 def int8_kernel_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
