@@ -666,6 +666,19 @@ def test_one_lucky_round_does_not_choose_a_kernel(process_group, tmp_path, monke
     assert all(set(kernels.values()) == {"onednn"} for kernels in chosen_kernels(model))
 
 
+def test_a_kernel_more_than_twice_as_slow_as_the_best_sits_out_the_later_rounds(monkeypatch):
+    """After each round, a kernel more than twice as slow as its product's best is not timed again (a load spends no
+    time on a kernel that cannot win); one within twice the best is timed in every round, and so is each product's
+    best, product by product."""
+    from llama.runtime import timing
+
+    seconds = {"best": 1.0, "close": 2.0, "slow": 2.1, "alone": 5.0}
+    monkeypatch.setattr(timing, "timed", lambda call: seconds[call()])
+    runs = [{name: lambda name=name: name for name in ("best", "close", "slow")}, {"alone": lambda: "alone"}]
+    found = timing.time_kernels(runs, None, rounds=3)
+    assert found == [{"best": [1.0] * 3, "close": [2.0] * 3, "slow": [2.1]}, {"alone": [5.0] * 3}]
+
+
 def timings_of(rounds_by_kernel: dict):
     """A `time_kernels` that finds `rounds_by_kernel[kernel]` for each kernel of every product (a list of rounds, or
     one figure for every round)."""
