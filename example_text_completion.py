@@ -47,7 +47,6 @@ def main(
             the eager step's logits); --nocuda_graphs decodes eagerly.
         quantize: "int8" or "int4": keep the linear layers' weights in 8 or 4 bits, quantized as they load;
             about 2x or 4x less memory than bfloat16 and faster decoding. On the CPU, dtype then defaults to bfloat16.
-            "int8-dyn", "int4-dyn": int8 or int4 weights with 8-bit activations, on the CPU (docs/quantize.md).
     """
     prompts: List[str] = [
         # Plain openings: the model should simply carry on writing.

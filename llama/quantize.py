@@ -22,9 +22,6 @@ import torch
 from torch import nn
 
 SCHEMES = ("int8", "int4")  # the weight-only schemes, which quantized checkpoints store
-# Made as the checkpoint loads, not stored: int8 and int4 weights with 8-bit activations, on the CPU
-# (`llama.runtime.onnx_dyn`).
-LOAD_SCHEMES = ("int8-dyn", "int4-dyn")
 DEFAULT_GROUP_SIZE = 32  # the most accurate; no slower than larger groups (docs/quantize-kernels.md)
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernels accept
 INT4_ROWS = 16  # the CPU int4 kernel takes weights of a multiple of this many rows (CUDA: 8)
@@ -34,30 +31,18 @@ INT4_ROWS = 16  # the CPU int4 kernel takes weights of a multiple of this many r
 CHUNK_VALUES = 2**21
 
 
-def check_scheme(scheme: str, stored: bool = False) -> None:
-    """A ValueError for a scheme this library does not know, or (`stored`) one it makes only as a checkpoint loads."""
-    if stored and scheme in LOAD_SCHEMES:
-        raise ValueError(
-            f"quantize={scheme!r} is made as the checkpoint loads (Llama.build(quantize={scheme!r})), and not stored; "
-            f"store one of {', '.join(SCHEMES)}"
-        )
-    if scheme not in SCHEMES + LOAD_SCHEMES:
-        raise ValueError(f"Unknown quantization scheme {scheme!r}; use one of {', '.join(SCHEMES + LOAD_SCHEMES)}")
-
-
-def layer_scheme(name: str, scheme: str) -> str:
-    """The scheme the layer called `name` in the model is quantized with: "int4-dyn" keeps the output head in 8 bits
-    (int8-dyn), as llama.cpp's Q4_0 files keep theirs in 6 (in 4, it is most of what the scheme loses:
-    docs/quantize.md)."""
-    return "int8-dyn" if scheme == "int4-dyn" and name == "output" else scheme
+def check_scheme(scheme: str) -> None:
+    """A ValueError for a scheme this library does not know."""
+    if scheme in ("int8-dyn", "int4-dyn"):
+        raise ValueError(f"quantize={scheme!r} (8-bit activations on ONNX Runtime) was removed; use int8 or int4")
+    if scheme not in SCHEMES:
+        raise ValueError(f"Unknown quantization scheme {scheme!r}; use one of {', '.join(SCHEMES)}")
 
 
 def check_device(device: torch.device, scheme: str, dtype: torch.dtype) -> None:
     """Raise a ValueError when PyTorch has no kernel for `scheme` on `device` with `dtype` activations."""
     if device.type == "cpu":
         return
-    if scheme in LOAD_SCHEMES:
-        raise ValueError(f"quantize={scheme!r} runs on the CPU only; on {device} use int8 or int4")
     if device.type == "cuda" and (scheme == "int8" or dtype == torch.bfloat16):
         return
     needs = "a CPU, or a CUDA GPU (int4: with dtype bfloat16)"

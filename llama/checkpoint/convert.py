@@ -105,7 +105,7 @@ def quantize_checkpoint(
 ) -> None:
     """Write a Meta folder of `src` (Meta or Hugging Face) with its linear layers and output head quantized, for
     `Llama.build` to load as stored (see `llama.quantize`); params.json records the scheme under "quantization"."""
-    check_scheme(scheme, stored=True)
+    check_scheme(scheme)
     group_size = check_group_size(group_size) if scheme == "int4" else None
     src, out_dir = Path(src), check_new_output_dir(out_dir)
     reader = open_checkpoint(src)

@@ -40,7 +40,7 @@ from llama.distributed import (
 from llama.model import ModelArgs, Transformer
 from llama.quantize import check_device, check_scheme, whole_shape
 from llama.runtime.cuda_graphs import decode_step_bytes
-from llama.runtime.schemes import quantize_named_layer
+from llama.runtime.quantized import quantize_layer
 from llama.tokenizer import Tokenizer, files
 from llama.tokenizer.gguf_vocab import is_gguf_file
 
@@ -163,7 +163,7 @@ def load_model(
         elif name in stored and quantize and not saved:
             layer = model.get_submodule(name)
             layer.weight = torch.nn.Parameter(tensor, requires_grad=False)
-            model.set_submodule(name, quantize_named_layer(name, layer, quantize, group_size))
+            model.set_submodule(name, quantize_layer(layer, quantize, group_size))
             # The file pages its weight was read from (a quantized checkpoint's layer may still read them: kept).
             reader.forget_read_pages()
         else:

@@ -69,8 +69,8 @@ def add_model_flags(parser: argparse.ArgumentParser, max_gen_len: Optional[int])
     parser.add_argument("--dtype", help="bfloat16, float16 or float32 (default: by device and checkpoint)")
     parser.add_argument(
         "--quantize",
-        choices=["int8", "int4", "int8-dyn", "int4-dyn"],  # llama.quantize's, named here: --help needs no torch
-        help="quantize as the weights load: int8 or int4 weights, or int8-dyn, int4-dyn (with 8-bit activations, CPU)",
+        choices=["int8", "int4"],  # llama.quantize's, named here: --help needs no torch
+        help="quantize as the weights load: int8 or int4 weights",
     )
     add_compile_flags(parser)
     parser.add_argument(

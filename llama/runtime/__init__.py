@@ -3,13 +3,12 @@ runs here, and everything it runs on. `for_runtime` applies it, in named steps, 
 (docs/internals.md walks them). One concern a module:
 - `steps`: `for_runtime` and each of its steps, `quantize_model`, the compiled decode step;
 - `transformer` and `attention`: `RuntimeTransformer` (the last position only, cache rows, the fixed-shape
-  `decode_step`) and `RuntimeAttention` (fused projections, the engine's cache writes); `cached_tokens`: which tokens
-  each cache row holds;
-- `parallel_layers`: the layers every device runs (`ParallelLinear`, `ParallelEmbedding`) and `MeasuredLinear`, whose
-  kernel per row count is chosen by measuring;
-- `cpu`: the CPU's float kernels, their choice and the kernel cache; `quantized` and `quantized_kernels`: the
-  quantized layers, their products and their choice; `stacked`: int8 layers of one input as one product on the CPU;
-  `timing`: the timers every choice is made with;
+  `decode_step`) and `RuntimeAttention` (the engine's cache writes); `cached_tokens`: which tokens each cache row
+  holds;
+- `kernel_table`: which kernel runs each product, by rule, from what the device offers, the weights and the row count;
+- `parallel_layers`: the layers every device runs (`ParallelLinear`, `ParallelEmbedding`) and `KernelLinear`, whose
+  product runs on the table's kernel;
+- `cpu`: the CPU's float kernels and layers, and its quantized products; `quantized`: the quantized layers;
 - `cuda_graphs` and `compiled`: the decode step replayed as CUDA graphs, or compiled by torch.compile.
 
 The names below are those the rest of the package uses; the tests and benchmarks reach the modules themselves.

@@ -1,10 +1,9 @@
 """Attention as it runs here: the reference's `Attention` with the ways in that speed needs.
 
 `RuntimeAttention` holds the reference layer's projections, cache and head counts, and adds:
-- a fused product of wq, wk and wv where the CPU runs them as one (`qkv`: a `llama.runtime.cpu.FusedQKV`, or for
-  int8-dyn and int4-dyn weights a `llama.runtime.onnx_dyn.FusedDyn`);
-- the fixed-shape decode step's cache write: a position given as a tensor, attention over the whole cache with the
-  positions not yet written masked out (`write_at_positions`), so that one compiled graph serves every step;
+- the decode step's cache write: a position given as a tensor, attention over the cache's first positions (as many
+  as the mask has) with those not yet written masked out (`write_at_positions`), so that one compiled graph serves
+  every step;
 - per-row positions and rows of the cache, for the engine's requests (`write_rows`);
 - a kernel of its own for one new position's attention where the CPU has a faster one (`one_position_attention`).
 """
@@ -41,11 +40,11 @@ def write_rows(
 
 
 def write_at_positions(
-    cache: KVCache, positions: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor
+    cache: KVCache, positions: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, attended: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """One new position per row, given as a tensor: one position for every row, or one for each row (rows that
-    started at different times). Returns the whole cache of the batch's rows, unwritten positions and all: the
-    shapes never change, and the caller's mask hides what lies past each row's position."""
+    started at different times). Returns the cache of the batch's rows up to `attended` positions, unwritten ones
+    among them: the caller's mask hides what lies past each row's position."""
     bsz = xk.shape[0]
     follow_activations(cache, xk)
     if len(positions) == 1:
@@ -55,7 +54,7 @@ def write_at_positions(
         rows = torch.arange(bsz, device=xk.device)
         cache.cache_k[rows, positions] = xk[:, 0]
         cache.cache_v[rows, positions] = xv[:, 0]
-    return cache.cache_k[:bsz], cache.cache_v[:bsz]
+    return cache.cache_k[:bsz, :attended], cache.cache_v[:bsz, :attended]
 
 
 def apply_rotary_emb_per_row(
@@ -70,17 +69,11 @@ def apply_rotary_emb_per_row(
 class RuntimeAttention(nn.Module):
     """`Attention` of the same weights, cache and math, for every way the runtime calls it (see the module)."""
 
-    def __init__(
-        self,
-        attention: Attention,
-        qkv: Optional[nn.Module] = None,
-        one_position_attention: Optional[AttentionKernel] = None,
-    ):
+    def __init__(self, attention: Attention, one_position_attention: Optional[AttentionKernel] = None):
         super().__init__()
         self.n_local_heads, self.n_local_kv_heads = attention.n_local_heads, attention.n_local_kv_heads
         self.n_rep, self.head_dim = attention.n_rep, attention.head_dim
         self.wq, self.wk, self.wv, self.wo = attention.wq, attention.wk, attention.wv, attention.wo
-        self.qkv = qkv
         self.kv_cache = attention.kv_cache
         self.one_position_attention = one_position_attention
 
@@ -95,7 +88,7 @@ class RuntimeAttention(nn.Module):
         """`Attention.forward`, where `start_pos` may also be a tensor of positions (`write_at_positions`) and the
         batch may sit in the cache's rows from `first_row` on (`write_rows`)."""
         bsz, seqlen, _ = x.shape
-        xq, xk, xv = self.qkv(x) if self.qkv is not None else (self.wq(x), self.wk(x), self.wv(x))
+        xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
         xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
         xk = xk.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         xv = xv.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
@@ -103,7 +96,7 @@ class RuntimeAttention(nn.Module):
             per_row = len(start_pos) > 1
             rotated = apply_rotary_emb_per_row if per_row else apply_rotary_emb
             xq, xk = rotated(xq, xk, freqs_cis=freqs_cis)
-            keys, values = write_at_positions(self.kv_cache, start_pos, xk, xv)
+            keys, values = write_at_positions(self.kv_cache, start_pos, xk, xv, mask.shape[-1])
         else:
             xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
             keys, values = write_rows(self.kv_cache, start_pos, first_row, xk, xv)

@@ -9,14 +9,13 @@ graphs (and CUDA graphs), with Python between them. These layers skip the sum in
 graph of several processes run it as a functional all-reduce, which the graph includes: the decode step
 compiles to a single graph.
 
-`llama.runtime` uses them on every device (on CPU the linear layers are their subclass `llama.runtime.cpu.CPULinear`).
-In eager decoding they also skip the cost of fairscale's autograd.Functions, a few hundred calls per token (figures:
-docs/speed.md).
+`llama.runtime` uses them on every device (on CPU the linear layers are their subclass
+`llama.runtime.cpu.layers.CPULinear`). In eager decoding they also skip the cost of fairscale's autograd.Functions, a
+few hundred calls per token (figures: docs/speed.md).
 """
 
 import collections
-import itertools
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
@@ -25,6 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fairscale.nn.model_parallel.layers import RowParallelLinear
 from fairscale.nn.model_parallel.mappings import gather_from_model_parallel_region, reduce_from_model_parallel_region
+
+from llama.runtime.kernel_table import ROW_CLASS_NAMES, ROW_CLASSES, row_class
 
 
 def sum_over_model_parallel_group(x: torch.Tensor) -> torch.Tensor:
@@ -44,12 +45,12 @@ class InferenceLayer(nn.Module):
         super().__init__()
         self.weight = layer.weight  # the same tensor, so a tied head stays tied to the embedding
         layer.weight = None
-        self.plain = layer
+        self.fairscale_layer = layer
 
     def unpack(self) -> nn.Module:
         """The fairscale layer, with this weight."""
-        self.plain.weight = self.weight
-        return self.plain
+        self.fairscale_layer.weight = self.weight
+        return self.fairscale_layer
 
 
 class ParallelLinear(InferenceLayer):
@@ -66,9 +67,9 @@ class ParallelLinear(InferenceLayer):
         y = self.matmul(x)
         # A row-parallel layer sums the partial products over the group; a column-parallel one may gather the
         # split outputs.
-        if isinstance(self.plain, RowParallelLinear):
+        if isinstance(self.fairscale_layer, RowParallelLinear):
             return sum_over_model_parallel_group(y)
-        if self.plain.gather_output and fs_init.get_model_parallel_world_size() > 1:
+        if self.fairscale_layer.gather_output and fs_init.get_model_parallel_world_size() > 1:
             return gather_from_model_parallel_region(y)
         return y
 
@@ -76,54 +77,61 @@ class ParallelLinear(InferenceLayer):
         return F.linear(x, self.weight)
 
 
-class MeasuredLinear(ParallelLinear):
-    """A `ParallelLinear` with several kernels for its product, one chosen per row count by measuring them at load
-    (the CPU's float kernels, `llama.runtime.cpu.CPULinear`; the quantized products, `llama.runtime.quantized`).
+class KernelLinear(ParallelLinear):
+    """A `ParallelLinear` whose product runs on one of several kernels (`KERNELS`, name -> function of the layer and
+    the input), one per row class (`llama.runtime.kernel_table.ROW_CLASSES`), set by `llama.runtime.steps` from the
+    kernel table. The CPU's float layers (`llama.runtime.cpu.layers.CPULinear`) and the quantized ones
+    (`llama.runtime.quantized`) are its subclasses. A compiled step runs `compiled_kernel()`: torch.compile fuses its
+    own product."""
 
-    `kernels` maps row counts to kernel names: an input of n rows runs on the kernel of the smallest count that is at
-    least n, or of the largest count (a long prompt); with none chosen, on `default_kernel()`."""
-
-    # How many of the model's layers its product stands for in the load report (`kernels_in_use`): 0 for a layer
-    # whose product runs inside a stack of layers (`llama.runtime.stacked`), the stack's layers for the stack.
-    layer_count = 1
+    KERNELS: Dict[str, Callable[..., torch.Tensor]] = {}
 
     def __init__(self, layer: nn.Module):
         super().__init__(layer)
-        self.kernels = {}
-
-    @property
-    def kernels(self) -> Dict[int, str]:
-        return self._kernels
-
-    @kernels.setter
-    def kernels(self, chosen: Dict[int, str]) -> None:
-        self._kernels = dict(sorted(chosen.items()))  # by row count, as `kernel_for` reads them
+        self.kernels: Tuple[str, ...] = (self.default_kernel(),) * len(ROW_CLASSES)
 
     def default_kernel(self) -> str:
+        """PyTorch's own kernel for this product: what runs where the kernel table has no row for it."""
         raise NotImplementedError
 
+    def compiled_kernel(self) -> str:
+        return self.default_kernel()
+
+    def weights(self) -> str:
+        """What the kernel table calls this layer's weights ("bfloat16", "int4", ...)."""
+        raise NotImplementedError
+
+    def runs(self, kernel: str) -> bool:
+        """Whether `kernel` can run this product here (this device, this build, these weights)."""
+        return kernel in self.KERNELS
+
+    def copy_bytes(self) -> int:
+        """Bytes of the copies of the weight its kernels run on (`make_copies`)."""
+        return 0
+
+    def make_copies(self) -> None:
+        """Make the copies of the weight its kernels run on, and free those they no longer run on."""
+
     def kernel_for(self, rows: int) -> str:
-        if not self.kernels:
-            return self.default_kernel()
-        return next(
-            (kernel for count, kernel in self.kernels.items() if rows <= count), self.kernels[max(self.kernels)]
-        )
+        if torch.compiler.is_compiling():
+            return self.compiled_kernel()
+        return self.kernels[row_class(rows)]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.KERNELS[self.kernel_for(x.numel() // max(1, x.shape[-1]))](self, x)
 
 
 def kernels_in_use(model: nn.Module) -> Optional[str]:
-    """The kernels the `MeasuredLinear` layers of `model` run on at each row count any of them was chosen for, each
-    with the number of layers that run it: "1 row: mv 64, linear 49; 256 rows: fp16 113". None where there are no
-    such layers (float layers off the CPU: `F.linear`)."""
-    layers = [layer for layer in model.modules() if isinstance(layer, MeasuredLinear) and layer.layer_count]
+    """The kernels the `KernelLinear` layers of `model` run on in each row class, each with the number of layers
+    that run it: "1 row: fp16 113; 2-16 rows: fp16 113; ...". None where there are no such layers (float layers off
+    the CPU: `F.linear`)."""
+    layers = [layer for layer in model.modules() if isinstance(layer, KernelLinear)]
     if not layers:
         return None
-    row_counts = sorted({rows for layer in layers for rows in layer.kernels}) or [1]
-    counts = {rows: collections.Counter() for rows in row_counts}
-    for rows, layer in itertools.product(row_counts, layers):
-        counts[rows][layer.kernel_for(rows)] += layer.layer_count
+    counts = [collections.Counter(layer.kernels[i] for layer in layers) for i in range(len(ROW_CLASSES))]
     return "; ".join(
-        f"{rows} row{'s' * (rows > 1)}: " + ", ".join(f"{kernel} {n}" for kernel, n in counted.most_common())
-        for rows, counted in counts.items()
+        f"{name}: " + ", ".join(f"{kernel} {n}" for kernel, n in counted.most_common())
+        for name, counted in zip(ROW_CLASS_NAMES, counts)
     )
 
 
@@ -144,5 +152,5 @@ class ParallelEmbedding(InferenceLayer):
     """fairscale's `VocabParallelEmbedding` forward: each process holds a slice of the vocabulary's rows."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        start, end = self.plain.vocab_start_index, self.plain.vocab_end_index
+        start, end = self.fairscale_layer.vocab_start_index, self.fairscale_layer.vocab_end_index
         return vocab_parallel_lookup(tokens, start, end, lambda ids: F.embedding(ids, self.weight))

@@ -1,8 +1,7 @@
-"""The quantized linear layers (`Int8Linear`, `Int4Linear`): a weight quantized by `llama.quantize` and the ways to
-compute its product on PyTorch's weight-only kernels (`QuantizedLinear.products`), one chosen per row count by
-measuring (`llama.runtime.quantized_kernels`). `quantize_layer` makes one from a fairscale linear layer, as the
-checkpoint loads or as `quantize_model` runs. `Int4Embedding`: a token embedding table held in int4, which a 4-bit
-GGUF file brings.
+"""The quantized linear layers (`Int8Linear`, `Int4Linear`): a weight quantized by `llama.quantize` and the kernels
+that compute its product (`KERNELS`), one per row class, from the kernel table (`llama.runtime.kernel_table`).
+`quantize_layer` makes one from a fairscale linear layer, as the checkpoint loads or as `quantize_model` runs.
+`Int4Embedding`: a token embedding table held in int4, which a 4-bit GGUF file brings.
 """
 
 from typing import Optional
@@ -24,18 +23,9 @@ from llama.quantize import (
     unpack_nibbles,
     whole_shape,
 )
-from llama.runtime.cpu.integer import pack_int8, split_product, split_product_available
-from llama.runtime.cpu.kernels import onednn_bf16_supported
+from llama.runtime.cpu.integer import pack_int8, two_part_product, two_part_product_available
 from llama.runtime.cpu.widened import cpu_int4_block_rows, widened_in_blocks, widened_int4_in_blocks
-from llama.runtime.parallel_layers import MeasuredLinear, ParallelLinear, vocab_parallel_lookup
-
-# The names of the ways a quantized layer computes its product (`QuantizedLinear.products`), across schemes and
-# devices.
-QUANTIZED_PRODUCTS = (
-    *("int8", "split", "widened", "widened32", "widened_left", "widened32_left"),
-    *("fused", "tinygemm", "dequantized"),
-)
-
+from llama.runtime.parallel_layers import KernelLinear, ParallelLinear, vocab_parallel_lookup
 
 # Products on CUDA that torch.compile builds from the widening and the product together (one compiled graph per
 # weight shape and row count; `compiled_on_cuda` lets there be many).
@@ -75,40 +65,32 @@ def max_over_model_parallel_group(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class QuantizedLinear(MeasuredLinear):
-    """A linear layer with quantized weights, with one or more ways to compute its product (`products`).
-
-    The runtime measures them at load (`llama.runtime.quantized_kernels`) and sets `kernels` (`MeasuredLinear`).
-    Unmeasured, and inside a compiled step (where torch.compile fuses it), each runs its device's default. The
-    product named "x" is the method `x_product`."""
+class QuantizedLinear(KernelLinear):
+    """A linear layer with quantized weights, whose product runs on one of its kernels (`KERNELS`) per row class:
+    the kernel table's (`llama.runtime.kernel_table`), else PyTorch's own weight-only kernel (`default_kernel`).
+    Inside a compiled step each runs its device's default, which torch.compile fuses."""
 
     CPU_DEFAULT = GPU_DEFAULT = ""
+    CPU_ONLY = ("widened32", "fbgemm_int8")  # kernels of the CPU alone
+    CUDA_ONLY = ("compiled", "dequantized")  # kernels of CUDA alone
 
     def unpack(self) -> nn.Module:
         raise ValueError("A quantized layer has no fairscale form: its weight is no longer in floating point")
 
-    def products(self, rows: int) -> dict:
-        """Name to product (a function of the input) of each way to compute a product of `rows` rows here."""
-        raise NotImplementedError
-
-    def activation_dtype(self) -> torch.dtype:
-        """The dtype of the inputs its products take: that of its scales."""
-        raise NotImplementedError
-
     def default_kernel(self) -> str:
         return self.CPU_DEFAULT if self.weight.device.type == "cpu" else self.GPU_DEFAULT
+
+    def runs(self, kernel: str) -> bool:
+        on_cpu = self.weight.device.type == "cpu"
+        return kernel in self.KERNELS and kernel not in (self.CUDA_ONLY if on_cpu else self.CPU_ONLY)
+
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the inputs its kernels take: that of its scales."""
+        raise NotImplementedError
 
     def values_bytes(self) -> int:
         """Bytes of its quantized values, scales and zeros."""
         return sum(t.numel() * t.element_size() for t in self.buffers())
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # The product found by its name, not through `products`: that dict of what this device offers costs some
-        # 20 microseconds a call to build, a millisecond a decode step at 1B; and inside a compiled step its checks
-        # are calls torch.compile cannot trace (the step would fall apart at every layer). A compiled step runs the
-        # default product.
-        kernel = self.default_kernel() if torch.compiler.is_compiling() else self.kernel_for(x.numel() // x.shape[-1])
-        return getattr(self, f"{kernel}_product")(x)
 
 
 def int8_kernel_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -127,13 +109,12 @@ def int4_cpu_product(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: to
 class Int8Linear(QuantizedLinear):
     """A fairscale linear layer with an int8 weight (`weight`, `scales`) in place of its float one.
 
-    Products: "int8", PyTorch's int8 kernel (the CPU's default); "widened", the weight widened to the activations'
-    dtype inside `F.linear` (the GPU's default, and what a compiled step fuses into one pass; on the CPU a block of
-    rows at a time, for prompts, where oneDNN multiplies bfloat16); on the CPU "widened32", the same in float32,
-    "widened_left" and "widened32_left", both with the weight on the left of each block's product
-    (`llama.runtime.cpu.widened`), and "split", in integers on fbgemm's copy of the weight
-    (`llama.runtime.cpu.integer`, made once the load chooses it: `make_chosen_copies`); on a GPU "fused", that
-    product compiled on its own, for one row, where torch.compile reads each int8 weight once."""
+    Kernels: "int8", PyTorch's weight-only int8 kernel (the CPU's default); "widened", the weight widened to the
+    activations' dtype inside `F.linear` (the GPU's default, and what a compiled step fuses into one pass; on the CPU
+    a block of rows at a time, `llama.runtime.cpu.widened`); on the CPU "widened32", the same in float32, and
+    "fbgemm_int8", in integers on fbgemm's copy of the weight, the activations written as two 7-bit parts
+    (`llama.runtime.cpu.integer`; for 16-bit activations only); on a GPU "compiled", the widened product compiled on
+    its own, where torch.compile reads each int8 weight once."""
 
     CPU_DEFAULT, GPU_DEFAULT = "int8", "widened"
 
@@ -142,72 +123,75 @@ class Int8Linear(QuantizedLinear):
         del self.weight
         self.register_buffer("weight", q)
         self.register_buffer("scales", scales)
-        self.packed = None  # fbgemm's copy of the weight, for the "split" product
+        self.packed = None  # fbgemm's copy of the weight, for "fbgemm_int8"
         self.out_features, self.in_features = q.shape  # this process's slice
 
-    def products(self, rows: int) -> dict:
-        if self.weight.device.type == "cpu":
-            products = {"int8": self.int8_product, "widened32": self.widened32_product}
-            products["widened32_left"] = self.widened32_left_product
-            # Only for 16-bit activations, whose own rounding (1/512 of each value in bfloat16) its rounding of them
-            # stays far below: a float32 model's products stay as exact as they were.
-            if self.scales.dtype in (torch.bfloat16, torch.float16) and split_product_available():
-                products["split"] = self.split_product
-            if onednn_bf16_supported():  # as int4's: on AVX2 a bfloat16 product of the buffer never wins
-                products.update(widened=self.widened_product, widened_left=self.widened_left_product)
-            return products
-        products = {"int8": self.int8_product, "widened": self.widened_product}
-        if rows == 1:  # compiled for one row count only: a graph for each would be compiled at its first use
-            products["fused"] = self.fused_product
-        return products
+    def weights(self) -> str:
+        return f"int8 {str(self.scales.dtype).removeprefix('torch.')}"
+
+    def runs(self, kernel: str) -> bool:
+        if kernel == "fbgemm_int8":
+            # Only for 16-bit activations, whose own rounding (1/512 of each value in bfloat16) the two parts'
+            # rounding stays far below: a float32 model's products stay as exact as they were.
+            sixteen_bits = self.scales.dtype in (torch.bfloat16, torch.float16)
+            return sixteen_bits and self.weight.device.type == "cpu" and two_part_product_available()
+        return super().runs(kernel)
 
     def activation_dtype(self) -> torch.dtype:
         return self.scales.dtype
 
-    def int8_product(self, x: torch.Tensor) -> torch.Tensor:
+    def copy_bytes(self) -> int:
+        return self.weight.numel() if "fbgemm_int8" in self.kernels else 0
+
+    def make_copies(self) -> None:
+        """Make fbgemm's copy of the weight if its kernels use it, and free it if not."""
+        wanted = "fbgemm_int8" in self.kernels
+        if not wanted:
+            self.packed = None
+        elif self.packed is None:
+            self.packed = pack_int8(self.weight, self.scales)
+
+    def int8(self, x: torch.Tensor) -> torch.Tensor:
         return int8_kernel_product(x, self.weight, self.scales)
 
-    def widened_product(self, x: torch.Tensor) -> torch.Tensor:
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
             return widened_in_blocks(x, self.weight, self.scales)
         return widened_int8_product(x, self.weight, self.scales)
 
-    def widened32_product(self, x: torch.Tensor) -> torch.Tensor:
+    def widened32(self, x: torch.Tensor) -> torch.Tensor:
         return widened_in_blocks(x, self.weight, self.scales, torch.float32)
 
-    def widened_left_product(self, x: torch.Tensor) -> torch.Tensor:
-        return widened_in_blocks(x, self.weight, self.scales, left=True)
-
-    def widened32_left_product(self, x: torch.Tensor) -> torch.Tensor:
-        return widened_in_blocks(x, self.weight, self.scales, torch.float32, left=True)
-
-    def split_product(self, x: torch.Tensor) -> torch.Tensor:
+    def fbgemm_int8(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
-            self.make_chosen_copies(["split"])
-        return split_product(x, self.packed)
+            self.packed = pack_int8(self.weight, self.scales)
+        return two_part_product(x, self.packed)
 
-    def fused_product(self, x: torch.Tensor) -> torch.Tensor:
+    def compiled(self, x: torch.Tensor) -> torch.Tensor:
         return compiled_on_cuda(widened_int8_product, x, self.weight, self.scales)
 
-    def make_chosen_copies(self, chosen) -> None:
-        """Make fbgemm's copy of the weight if the products `chosen` use it, and free it if not."""
-        self.packed = pack_int8(self.weight, self.scales) if "split" in chosen else None
+    KERNELS = {
+        "int8": int8,
+        "widened": widened,
+        "widened32": widened32,
+        "fbgemm_int8": fbgemm_int8,
+        "compiled": compiled,
+    }
 
 
 class Int4Linear(QuantizedLinear):
     """A fairscale linear layer with an int4 weight, held in the layout of PyTorch's int4 kernel for its device
     (`weight`, `scales_and_zeros`): a runtime form, not a file format (docs/quantize.md).
 
-    Products: "tinygemm", PyTorch's int4 kernel (the default), made for a few rows. On the CPU, for a prompt's rows,
-    "widened" and "widened32": the weight dequantized a block at a time to the activations' dtype (where oneDNN
-    multiplies bfloat16) or to float32, then the CPU's matrix kernels; "widened_left" and "widened32_left", the same
-    with the weight on the left of each block's product (`llama.runtime.cpu.widened`). Off the CPU, "dequantized":
-    the weight widened to the activations' dtype by one compiled kernel, then `F.linear`: for a prompt's rows, a
-    product at the GPU's speed is worth one pass over the weight. It reads the values as quantized (`nibbles`,
-    `group_scales`, `group_zeros`), which a GPU layer holds until the runtime's measurement finds whether any row
-    count needs them (`drop_unused_copies`)."""
+    Kernels: "int4pack", PyTorch's int4 kernel of the device (the default; tinygemm's on CUDA), made for a few rows.
+    On the CPU, for a prompt's rows, "widened" and "widened32": the weight dequantized a block at a time to the
+    activations' dtype (where oneDNN multiplies bfloat16) or to float32, then the CPU's matrix kernels
+    (`llama.runtime.cpu.widened`). On CUDA, "dequantized": the weight widened to the activations' dtype by one
+    compiled kernel, then `F.linear`: for a prompt's rows, a product at the GPU's speed is worth one pass over the
+    weight. It reads the values as quantized (`nibbles`, `group_scales`, `group_zeros`), which a GPU layer holds
+    only where the table gives it "dequantized" (`make_copies`)."""
 
-    CPU_DEFAULT = GPU_DEFAULT = "tinygemm"
+    CPU_DEFAULT = GPU_DEFAULT = "int4pack"
 
     def __init__(self, layer: nn.Module, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
         """`nibbles`: the values q in [0, 15], two per byte (`pack_nibbles`); `scales`, `zeros`: one column per
@@ -225,7 +209,7 @@ class Int4Linear(QuantizedLinear):
                 packed[start : start + step] = convert(unpack_nibbles(nibbles[start : start + step]).to(torch.int32), 2)
         else:  # the CUDA kernel takes the even input of each pair in the high nibble
             packed = torch.ops.aten._convert_weight_to_int4pack(nibbles << 4 | nibbles >> 4, inner_k_tiles(in_features))
-            # Not saved with the model: the checkpoint's own form, kept for the "dequantized" product.
+            # Not saved with the model: the checkpoint's own form, kept for the "dequantized" kernel.
             self.register_buffer("nibbles", nibbles, persistent=False)
             self.register_buffer("group_scales", scales, persistent=False)
             self.register_buffer("group_zeros", zeros, persistent=False)
@@ -234,50 +218,43 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], dim=-1).contiguous())
         self.out_features, self.in_features = nibbles.shape[0], nibbles.shape[1] * 2  # this process's slice
 
-    def products(self, rows: int) -> dict:
-        products = {"tinygemm": self.tinygemm_product}
-        if hasattr(self, "nibbles"):
-            products["dequantized"] = self.dequantized_product
-        block_rows = cpu_int4_block_rows() if self.weight.device.type == "cpu" else None
-        if block_rows and self.out_features % block_rows == 0:
-            products.update(widened32=self.widened32_product, widened32_left=self.widened32_left_product)
-            # Only where oneDNN multiplies bfloat16: on AVX2 PyTorch's own bfloat16 product of the buffer took
-            # seconds, 100 times float32's.
-            if onednn_bf16_supported():
-                products.update(widened=self.widened_product, widened_left=self.widened_left_product)
-        return products
+    def weights(self) -> str:
+        return "int4"
+
+    def runs(self, kernel: str) -> bool:
+        if kernel in ("widened", "widened32") and self.weight.device.type == "cpu":
+            block_rows = cpu_int4_block_rows()
+            return block_rows is not None and self.out_features % block_rows == 0
+        if kernel == "dequantized":
+            return hasattr(self, "nibbles")
+        return super().runs(kernel)
 
     def activation_dtype(self) -> torch.dtype:
         return self.scales_and_zeros.dtype
 
-    def tinygemm_product(self, x: torch.Tensor) -> torch.Tensor:
+    def make_copies(self) -> None:
+        """Free the quantized values' own copy where no kernel of its reads it."""
+        if hasattr(self, "nibbles") and "dequantized" not in self.kernels:
+            del self.nibbles, self.group_scales, self.group_zeros
+
+    def int4pack(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
             return int4_cpu_product(x, self.weight, self.scales_and_zeros, self.group_size)
         rows, scales_and_zeros = x.reshape(-1, x.shape[-1]), self.scales_and_zeros.to(x.dtype)
         y = torch.ops.aten._weight_int4pack_mm(rows, self.weight, self.group_size, scales_and_zeros)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def widened_product(self, x: torch.Tensor) -> torch.Tensor:
+    def widened(self, x: torch.Tensor) -> torch.Tensor:
         return widened_int4_in_blocks(x, self.weight, self.scales_and_zeros, self.group_size)
 
-    def widened32_product(self, x: torch.Tensor) -> torch.Tensor:
+    def widened32(self, x: torch.Tensor) -> torch.Tensor:
         return widened_int4_in_blocks(x, self.weight, self.scales_and_zeros, self.group_size, torch.float32)
 
-    def widened_left_product(self, x: torch.Tensor) -> torch.Tensor:
-        return widened_int4_in_blocks(x, self.weight, self.scales_and_zeros, self.group_size, left=True)
-
-    def widened32_left_product(self, x: torch.Tensor) -> torch.Tensor:
-        args = (x, self.weight, self.scales_and_zeros, self.group_size, torch.float32)
-        return widened_int4_in_blocks(*args, left=True)
-
-    def dequantized_product(self, x: torch.Tensor) -> torch.Tensor:
+    def dequantized(self, x: torch.Tensor) -> torch.Tensor:
         weight = compiled_on_cuda(dequantized_int4_weight, self.nibbles, self.group_scales, self.group_zeros)
         return F.linear(x, weight.to(x.dtype))
 
-    def drop_unused_copies(self) -> None:
-        """Free the quantized values' own copy when no chosen product reads it."""
-        if hasattr(self, "nibbles") and "dequantized" not in self.kernels.values():
-            del self.nibbles, self.group_scales, self.group_zeros
+    KERNELS = {"int4pack": int4pack, "widened": widened, "widened32": widened32, "dequantized": dequantized}
 
 
 def inner_k_tiles(in_features: int) -> int:

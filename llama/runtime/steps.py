@@ -2,38 +2,33 @@
 steps, in order. Nothing else in the package replaces a model's layers or sets attributes on them.
 """
 
-import contextlib
+import functools
 import logging
 import types
-from typing import Callable, Optional, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from torch import nn
 
+from llama.distributed import free_memory, global_rank
 from llama.model import Transformer
-from llama.quantize import LOAD_SCHEMES, check_device, check_group_size, check_scheme
+from llama.quantize import check_device, check_group_size, check_scheme
 from llama.runtime.compiled import AnnouncedCompiles
-from llama.runtime.cpu import (
-    CPULinear,
-    attention_kernel,
-    choose_kernels,
-    copies_that_fit,
-    fused_product,
-    make_weight_copies,
-    measuring_alone,
-    row_counts,
-    runs_on_cpu_kernels,
-)
+from llama.runtime.cpu.kernels import one_position_attention, onednn_supported
+from llama.runtime.cpu.layers import CPULinear
 from llama.runtime.cuda_graphs import CUDAGraphDecodeStep
-from llama.runtime.onnx_dyn import GROUP_SIZE as DYN_GROUP_SIZE
-from llama.runtime.onnx_dyn import fused_dyn, make_sessions, one_torch_thread, runs_on_onnx_runtime
-from llama.runtime.parallel_layers import InferenceLayer, ParallelEmbedding, ParallelLinear, kernels_in_use
-from llama.runtime.quantized import Int8Linear, is_quantized
-from llama.runtime.quantized_kernels import choose_quantized_kernels
-from llama.runtime.schemes import quantize_layer, quantize_named_layer
-from llama.runtime.stacked import stacked_int8
-from llama.runtime.transformer import DecodeStep, FuseProducts, RuntimeTransformer
+from llama.runtime.kernel_table import cpu_offers, matmul_attention_from, pinned_kernel, table_kernels
+from llama.runtime.parallel_layers import (
+    InferenceLayer,
+    KernelLinear,
+    ParallelEmbedding,
+    ParallelLinear,
+    kernels_in_use,
+)
+from llama.runtime.quantized import Int8Linear, is_quantized, quantize_layer
+from llama.runtime.transformer import DecodeStep, RuntimeTransformer
 
 LINEAR = (ColumnParallelLinear, RowParallelLinear)
 logger = logging.getLogger(__name__)
@@ -45,51 +40,30 @@ def for_runtime(
     compile: Optional[bool] = False,
     cuda_graphs: bool = False,
     model_parallel_size: int = 1,
-    verify_rows: Optional[int] = None,
 ) -> Tuple[RuntimeTransformer, Optional[DecodeStep]]:
     """The runtime form of a loaded `Transformer` (quantized as it loaded, or not) and the decode step to run it
     with (None: eagerly, `RuntimeTransformer.decode_step` or `forward`). The same weights and math throughout; each
     step keeps the logits of the reference's algorithm, up to the order of float32 sums (tested).
 
-    1. `use_cpu_kernels`: on the CPU (`runs_on_cpu_kernels`), each fairscale linear layer becomes a `CPULinear`, whose
-       kernel per row count is chosen in step 3.
-    2. `RuntimeTransformer`: the runtime modules (`llama.runtime.transformer`): fused products where the CPU runs
-       them as one (`fuse_products`), the fixed-shape decode step, per-row positions and cache rows for the
-       engine, and on the CPU float32 matmuls for one new position's bfloat16 attention from the cache length where
-       they measure faster than SDPA (`attention_kernel`, on the threads PyTorch's operations decode on).
-    3. `choose_cpu_kernels`: each product's kernels measured (or read from the cache), and the float16 copies made;
-       with `verify_rows`, also for the rows of a speculative pass, which a prompt's kernel would run at its speed.
-    4. `use_parallel_layers`: every fairscale layer left (all of them off the CPU) becomes `ParallelLinear` or
+    1. `use_cpu_kernels`: on the CPU (`runs_on_cpu_kernels`), each fairscale linear layer becomes a `CPULinear`.
+    2. `RuntimeTransformer`: the runtime modules (`llama.runtime.transformer`): the fixed-shape decode step, per-row
+       positions and cache rows for the engine, and on the CPU float32 matmuls for one new position's bfloat16
+       attention from the cache length the kernel table gives (`attention_kernel`).
+    3. `use_parallel_layers`: every fairscale layer left (all of them off the CPU) becomes `ParallelLinear` or
        `ParallelEmbedding`: the collectives called directly and skipped in one process, traceable by torch.compile.
-    5. `choose_quantized_kernels`: on a GPU, each quantized weight's fastest product at each row count, timed. Where
-       the products run on ONNX Runtime (int8-dyn, int4-dyn), the sessions of the layers not fused in step 2 are made
-       (`make_sessions`), and PyTorch's own operations run on one thread (`one_torch_thread`), leaving the cores to
-       ONNX Runtime's.
-    6. The decode step: compiled with torch.compile if asked (`compiled_decode_step`; `compile=None` asks where
+    4. `use_table_kernels`: each `KernelLinear` (the CPU's float layers, the quantized ones) runs the kernel table's
+       kernel for each row class, and the copies of the weights those kernels read are made, where memory holds them.
+    5. The decode step: compiled with torch.compile if asked (`compiled_decode_step`; `compile=None` asks where
        `compiles_by_default`), else on one CUDA GPU replayed as CUDA graphs where `cuda_graphs` (`use_cuda_graphs`,
        `CUDAGraphDecodeStep`).
 
-    Steps 2 to 5 time kernels or read what earlier loads timed, under `measuring_alone`: a load that starts while
-    another process of this machine measures waits for it, and then chooses from its figures.
+    Nothing is timed: the kernels depend only on the device, the weights and each call's row count.
     """
-    # What this CPU's kernels can do for the model, asked before its layers change.
-    on_cpu_kernels = runs_on_cpu_kernels(model)
-    copies = copies_that_fit(model) if on_cpu_kernels else 0  # copies of the weights kernels may run on: 0 to 2
-    on_onnx_runtime = runs_on_onnx_runtime(model)
-    with measuring_alone():  # loads started together on this machine measure in turn, and choose alike
-        # Measured on the threads PyTorch's own operations decode on: one where ONNX Runtime runs the products.
-        with one_torch_thread() if on_onnx_runtime else contextlib.nullcontext():
-            one_position = attention_kernel(model) if on_cpu_kernels else None
-        if on_cpu_kernels:
-            use_cpu_kernels(model)
-        runtime = RuntimeTransformer(model, fuse_products(copies), one_position)
-        if on_cpu_kernels:
-            choose_cpu_kernels(runtime, copies, verify_rows)
-        use_parallel_layers(runtime)
-        choose_quantized_kernels(runtime, model.params.max_seq_len, max(model.params.max_batch_size, verify_rows or 1))
-    if on_onnx_runtime:
-        make_sessions(runtime)
-        runtime.threads = one_torch_thread
+    if runs_on_cpu_kernels(model):
+        use_cpu_kernels(model)
+    runtime = RuntimeTransformer(model, attention_kernel(model))
+    use_parallel_layers(runtime)
+    use_table_kernels(runtime)
     runtime.kernels_in_use = kernels_in_use(runtime)  # what the load report says of the choices
     if compile is None and compiles_by_default(runtime, model_parallel_size):
         logger.info("Quantized weights on CUDA: the decode step will be compiled (compile=False replays CUDA graphs)")
@@ -102,13 +76,13 @@ def for_runtime(
 
 
 def use_cuda_graphs(device: torch.device, model_parallel_size: int, requested: bool) -> bool:
-    """Whether step 6 decodes through `CUDAGraphDecodeStep`: when asked (`Llama.build`'s default) on a CUDA device in
+    """Whether step 5 decodes through `CUDAGraphDecodeStep`: when asked (`Llama.build`'s default) on a CUDA device in
     one process. Under model parallelism the step holds NCCL all-reduces, which are left to eager launches."""
     return requested and device.type == "cuda" and model_parallel_size == 1
 
 
 def compiles_by_default(model: nn.Module, model_parallel_size: int) -> bool:
-    """Whether step 6 compiles the decode step when the caller leaves it to the runtime (`compile=None`): for
+    """Whether step 5 compiles the decode step when the caller leaves it to the runtime (`compile=None`): for
     quantized weights on one CUDA GPU. There torch.compile widens each int8 or int4 weight inside its product, where
     the eager products (graphed or not) widen into a copy first or run a kernel made for few rows, and decode
     slower (docs/cuda.md)."""
@@ -130,25 +104,28 @@ def replace_layers(model: nn.Module, kind, replacement) -> int:
     return replaced
 
 
-def fuse_products(copies: int) -> FuseProducts:
-    """Step 2's fused products: int8-dyn and int4-dyn layers as one ONNX Runtime session (`fused_dyn`); int8 layers
-    on the CPU as one stacked weight (`stacked_int8`); float layers on the CPU's kernels as one copy, where `copies`
-    (`fused_product`)."""
-
-    def fuse(name: str, *layers: nn.Module) -> Optional[nn.Module]:
-        return fused_dyn(*layers) or stacked_int8(*layers) or (fused_product(name, *layers) if copies else None)
-
-    return fuse
+def runs_on_cpu_kernels(model: nn.Module) -> bool:
+    """Whether `model`'s linear layers can run on the CPU's kernels (`CPULinear`): on the CPU, in float32 or
+    bfloat16, with a torch build that has oneDNN."""
+    weight = model.norm.weight  # in the model's dtype, on its device (the embedding may be int4)
+    return onednn_supported(weight.device) and weight.dtype in (torch.float32, torch.bfloat16)
 
 
 def use_cpu_kernels(model: nn.Module) -> None:
-    """Step 1: every fairscale linear layer of `model` becomes a `CPULinear` (on `F.linear` until step 3 chooses);
-    for a model that `llama.runtime.cpu.runs_on_cpu_kernels` to."""
+    """Step 1: every fairscale linear layer of `model` becomes a `CPULinear` (on `F.linear` until step 4)."""
     replace_layers(model, LINEAR, CPULinear)
 
 
+def attention_kernel(model: nn.Module) -> Optional[Callable]:
+    """Step 2's kernel for one new position's attention: `one_position_attention` from the cache length the kernel
+    table gives this CPU, for a bfloat16 model on the CPU; else None (SDPA's kernel)."""
+    weight = model.norm.weight
+    start = matmul_attention_from() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
+    return None if start is None else functools.partial(one_position_attention, from_positions=start)
+
+
 def use_parallel_layers(model: nn.Module) -> int:
-    """Step 4: fairscale's linear layers and embedding become `ParallelLinear` and `ParallelEmbedding` (the same
+    """Step 3: fairscale's linear layers and embedding become `ParallelLinear` and `ParallelEmbedding` (the same
     weights, keys and math); layers replaced already (`CPULinear`, quantized ones) stay as they are. Returns how
     many layers it replaced."""
     return replace_layers(model, LINEAR, ParallelLinear) + replace_layers(
@@ -157,17 +134,41 @@ def use_parallel_layers(model: nn.Module) -> int:
 
 
 def unpack_layers(model: nn.Module) -> None:
-    """Undo steps 1 and 2, in place: fairscale's layers, as in Meta's code."""
+    """Undo steps 1 and 3, in place: fairscale's layers, as in Meta's code."""
     replace_layers(model, InferenceLayer, InferenceLayer.unpack)
 
 
-def choose_cpu_kernels(model: nn.Module, copies: int, verify_rows: Optional[int] = None) -> None:
-    """Step 3: each product's kernel for each row count that matters (`llama.runtime.cpu.choose_kernels`; on as many
-    copies of the weights as `copies`), then the copies of the weights the chosen kernels run on."""
-    counts = row_counts(model.params.max_batch_size, verify_rows)
-    for layer, kernels in choose_kernels(model, counts, copies).items():
-        layer.kernels = kernels
-    make_weight_copies(model)
+def use_table_kernels(model: nn.Module) -> None:
+    """Step 4: each `KernelLinear` of `model` runs the kernel table's kernel for each row class
+    (`llama.runtime.kernel_table`; on the CPU `LLAMA_CPU_KERNEL` pins one), or PyTorch's own where the table has no
+    row for it or its kernel cannot run the layer; then the copies of the weights those kernels read (float16,
+    oneDNN's layout, fbgemm's int8) are made, on as many threads as torch uses (fbgemm packs on one core). Where the
+    copies would take more than half the memory available, none is made, and those layers run PyTorch's kernel."""
+    layers: List[KernelLinear] = [layer for layer in model.modules() if isinstance(layer, KernelLinear)]
+    known = {kernel for layer in layers for kernel in layer.KERNELS}
+    pinned = pinned_kernel(known) if layers and layers[0].weight.device.type == "cpu" else None
+    for layer in layers:
+        wanted = table_kernels(layer.weight.device, layer.weights())
+        if pinned is not None and pinned in layer.KERNELS:
+            wanted = (pinned,) * len(layer.kernels)
+        default = layer.default_kernel()
+        layer.kernels = tuple(kernel if layer.runs(kernel) else default for kernel in wanted or layer.kernels)
+    copy_bytes = sum(layer.copy_bytes() for layer in layers)
+    available = free_memory(layers[0].weight.device) if copy_bytes else None
+    if copy_bytes and available is not None and 2 * copy_bytes > available:
+        logger.warning(
+            "No copies of the weights for the CPU's kernels: they would take %.1f GB, more than half the %.1f GB "
+            "available; those layers run PyTorch's own kernels",
+            copy_bytes / 1e9,
+            available / 1e9,
+        )
+        for layer in layers:
+            if layer.copy_bytes():
+                layer.kernels = (layer.default_kernel(),) * len(layer.kernels)
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        list(pool.map(lambda layer: layer.make_copies(), layers))
+    if layers and layers[0].weight.device.type == "cpu" and global_rank() == 0:
+        logger.info("CPU: %s; kernels by row class: %s", cpu_offers(), kernels_in_use(model))
 
 
 def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = None) -> nn.Module:
@@ -175,18 +176,16 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
 
     Works on a model built as Meta's code builds it (fairscale's layers, weights loaded) and on one whose layers
     the runtime replaced. With several model-parallel processes, call it in all of them: each quantizes its own
-    slice. On a GPU, the quantized layers' products are then timed (`choose_quantized_kernels`).
+    slice. The quantized layers then run the kernel table's kernels (`use_table_kernels`).
     (`Llama.build(quantize=...)` quantizes each layer as it loads instead, so that the whole model is never held
     unquantized.)
 
     Args:
         model: The Transformer, with its weights.
-        scheme: "int8" (one scale per output channel) or "int4" (groups along the input); on the CPU also
-            "int8-dyn" or "int4-dyn" (with 8-bit activations, `llama.runtime.onnx_dyn`).
+        scheme: "int8" (one scale per output channel) or "int4" (groups along the input).
         group_size: int4's group size, one of 256, 128, 64 or 32 (default). A layer whose input width it does not
             divide takes the largest smaller size that does; a layer that int4 cannot hold (an input width that is
-            not a multiple of 32, or outputs not a multiple of 16) is quantized to int8 instead. int8-dyn and
-            int4-dyn take groups of 32 only (None or 32).
+            not a multiple of 32, or outputs not a multiple of 16) is quantized to int8 instead.
 
     Raises:
         ValueError: for an unknown scheme or group size, or a device PyTorch has no kernel for.
@@ -194,18 +193,16 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
     check_scheme(scheme)
     if scheme == "int4":
         check_group_size(group_size)
-    elif scheme in LOAD_SCHEMES and group_size not in (None, DYN_GROUP_SIZE):
-        raise ValueError(f"{scheme} takes groups of {DYN_GROUP_SIZE} only, got group_size={group_size!r}")
     weight = model.norm.weight  # in the model's dtype, on its device (the embedding may be int4)
     check_device(weight.device, scheme, weight.dtype)
     if not is_quantized(model.output):
-        model.output = quantize_named_layer("output", model.output, scheme, group_size)
+        model.output = quantize_layer(model.output, scheme, group_size)
     replace_layers(
         model,
         (*LINEAR, ParallelLinear),
         lambda layer: layer if is_quantized(layer) else quantize_layer(layer, scheme, group_size),
     )
-    choose_quantized_kernels(model, model.params.max_seq_len, model.params.max_batch_size)
+    use_table_kernels(model)
     return model
 
 

@@ -7,52 +7,28 @@ weights under the same state-dict keys) and adds what decoding needs beyond `Tra
 - `cached`: the tokens each cache row holds (`CachedTokens`), for prefix reuse, and `copy_cached` between rows.
 """
 
-import contextlib
-from typing import Callable, ContextManager, Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from llama.model import FeedForward, Transformer, TransformerBlock, causal_mask
+from llama.model import Transformer, TransformerBlock, causal_mask
 from llama.runtime.attention import AttentionKernel, RuntimeAttention
 from llama.runtime.cached_tokens import CachedTokens
 
 # A one-token step: (tokens (bsz, 1), position as a one-element tensor, or one per row) -> logits (bsz, 1, vocab_size).
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-# Given a reference block's linear layers that take one input, the module that runs them as one product (or None).
-FuseProducts = Callable[..., Optional[nn.Module]]
-
-
-class FusedFeedForward(nn.Module):
-    """`FeedForward` with w1 and w3 run as one product (`w13`: a `llama.runtime.cpu.FusedW13`, or for int8-dyn and
-    int4-dyn weights a `llama.runtime.onnx_dyn.FusedDyn`)."""
-
-    def __init__(self, feed_forward: FeedForward, w13: nn.Module):
-        super().__init__()
-        self.w1, self.w2, self.w3 = feed_forward.w1, feed_forward.w2, feed_forward.w3
-        self.w13 = w13
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x)
-        return self.w2(F.silu(gate) * up)
-
 
 class RuntimeBlock(nn.Module):
     """`TransformerBlock` over `RuntimeAttention`, whose positions may be a tensor and whose batch may sit in rows
     of the cache from `first_row` on."""
 
-    def __init__(
-        self, block: TransformerBlock, fuse: Optional[FuseProducts], one_position_attention: Optional[AttentionKernel]
-    ):
+    def __init__(self, block: TransformerBlock, one_position_attention: Optional[AttentionKernel]):
         super().__init__()
         self.layer_id = block.layer_id
-        attention, feed_forward = block.attention, block.feed_forward
-        qkv = fuse("qkv", attention.wq, attention.wk, attention.wv) if fuse else None
-        self.attention = RuntimeAttention(attention, qkv, one_position_attention)
-        w13 = fuse("w13", feed_forward.w1, feed_forward.w3) if fuse else None
-        self.feed_forward = feed_forward if w13 is None else FusedFeedForward(feed_forward, w13)
+        self.attention = RuntimeAttention(block.attention, one_position_attention)
+        self.feed_forward = block.feed_forward
         self.attention_norm, self.ffn_norm = block.attention_norm, block.ffn_norm
 
     def forward(
@@ -73,27 +49,19 @@ class RuntimeBlock(nn.Module):
 
 class RuntimeTransformer(nn.Module):
     """A loaded `Transformer`'s modules, run as decoding needs them (see the module). `llama.runtime.for_runtime`
-    builds it; `fuse` (if any) gives the fused products of each block, `one_position_attention` a faster kernel for
-    one new position's attention, where the device has them."""
+    builds it; `one_position_attention` is a faster kernel for one new position's attention, where the device has
+    one."""
 
-    def __init__(
-        self,
-        model: Transformer,
-        fuse: Optional[FuseProducts] = None,
-        one_position_attention: Optional[AttentionKernel] = None,
-    ):
+    def __init__(self, model: Transformer, one_position_attention: Optional[AttentionKernel] = None):
         super().__init__()
         self.params, self.vocab_size, self.n_layers = model.params, model.vocab_size, model.n_layers
         self.tok_embeddings = model.tok_embeddings
-        self.layers = nn.ModuleList(RuntimeBlock(block, fuse, one_position_attention) for block in model.layers)
+        self.layers = nn.ModuleList(RuntimeBlock(block, one_position_attention) for block in model.layers)
         self.norm = model.norm
         self.output = model.output
         self.freqs_cis = model.freqs_cis
         self.cached = CachedTokens(self.params.max_batch_size)
         self.kernels_in_use: Optional[str] = None  # the kernels its layers run on, once `for_runtime` has chosen them
-        # Entered around each forward and decode step: how many threads PyTorch's own operations run on there (as
-        # many as it has, unless `for_runtime` leaves the cores to another library's products).
-        self.threads: Callable[[], ContextManager] = contextlib.nullcontext
 
     # The RoPE table is made as the reference makes it.
     rope_table = Transformer.rope_table
@@ -121,38 +89,44 @@ class RuntimeTransformer(nn.Module):
     ) -> torch.Tensor:
         """`Transformer.forward`; with `last_logits_only`, the logits of the last position only; the batch in the
         cache's rows [first_row, first_row + bsz)."""
-        with self.threads():
-            seqlen = tokens.shape[1]
-            written = tokens.tolist()
-            for row in range(first_row, first_row + len(written)):  # overwritten from start_pos on, even on failure
-                self.cached.keep(row, start_pos)
-            h = self.tok_embeddings(tokens)
-            freqs_cis = self.rope_at(start_pos, seqlen, h.device)
-            mask = causal_mask(seqlen, start_pos, h)
-            for layer in self.layers:
-                last_only = last_logits_only and layer is self.layers[-1]
-                h = layer(h, start_pos, freqs_cis, mask, last_only, first_row)
-            for row, row_tokens in enumerate(written, start=first_row):
-                self.cached.wrote(row, start_pos, row_tokens)
-            return self.output(self.norm(h)).float()
+        seqlen = tokens.shape[1]
+        written = tokens.tolist()
+        for row in range(first_row, first_row + len(written)):  # overwritten from start_pos on, even on failure
+            self.cached.keep(row, start_pos)
+        h = self.tok_embeddings(tokens)
+        freqs_cis = self.rope_at(start_pos, seqlen, h.device)
+        mask = causal_mask(seqlen, start_pos, h)
+        for layer in self.layers:
+            last_only = last_logits_only and layer is self.layers[-1]
+            h = layer(h, start_pos, freqs_cis, mask, last_only, first_row)
+        for row, row_tokens in enumerate(written, start=first_row):
+            self.cached.wrote(row, start_pos, row_tokens)
+        return self.output(self.norm(h)).float()
 
     @torch.inference_mode()
     def decode_step(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """`forward(tokens, start_pos)` for one new token per row, in shapes that stay the same at every step.
 
-        `position` is start_pos as a one-element tensor, and attention runs over the whole cache with the
-        positions after it masked out, so that one compiled step (torch.compile, CUDA graphs) serves them all.
+        `position` is start_pos as a one-element tensor, and attention runs over the cache with the positions after it
+        masked out (`attended_positions`: the whole cache, so that one compiled step or CUDA graph serves them all).
         With bsz positions instead, each row is at its own (a batch whose requests started at different times,
         `llama.serve.engine`). The RoPE table must exist: `init_kv_caches` or a first `forward` made it. It may run
         compiled or as a CUDA graph, so it does not record what it writes in `cached`: its callers do.
         """
-        with self.threads():
-            h = self.tok_embeddings(tokens)  # (bsz, 1, dim)
-            cache_positions = torch.arange(self.params.max_seq_len, device=tokens.device)
-            mask = cache_positions[None, :] <= position[:, None]  # (1 or bsz, max_seq_len): the positions written
-            freqs_cis = self.freqs_cis[position]  # (1 or bsz, head_dim // 2)
-            if len(position) > 1:
-                mask = mask[:, None, None, :]  # (bsz, 1, 1, max_seq_len): each row's own, for every head
-            for layer in self.layers:
-                h = layer(h, position, freqs_cis, mask)
-            return self.output(self.norm(h)).float()
+        h = self.tok_embeddings(tokens)  # (bsz, 1, dim)
+        cache_positions = torch.arange(self.attended_positions(position), device=tokens.device)
+        mask = cache_positions[None, :] <= position[:, None]  # (1 or bsz, positions): the positions written
+        freqs_cis = self.freqs_cis[position]  # (1 or bsz, head_dim // 2)
+        if len(position) > 1:
+            mask = mask[:, None, None, :]  # (bsz, 1, 1, positions): each row's own, for every head
+        for layer in self.layers:
+            h = layer(h, position, freqs_cis, mask)
+        return self.output(self.norm(h)).float()
+
+    def attended_positions(self, position: torch.Tensor) -> int:
+        """How many of the cache's positions a decode step at `position` attends over: in a fixed-shape step (compiled,
+        or recorded as a CUDA graph) the whole cache, the positions not yet written masked out; eagerly on the CPU only
+        those up to the furthest row's position, as the reference reads its cache, so that the cache's size
+        (`max_seq_len`) does not change the sums."""
+        eager_on_cpu = position.device.type == "cpu" and not torch.compiler.is_compiling()
+        return int(position.max()) + 1 if eager_on_cpu else self.params.max_seq_len

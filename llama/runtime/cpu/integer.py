@@ -1,5 +1,6 @@
-"""An int8 weight's product in integers on the CPU ("split"): each row of activations split into two parts of 7-bit
-integers, both multiplied by the weight in one call of fbgemm's integer kernel, the two results scaled and added.
+"""An int8 weight's product in integers on the CPU (the "fbgemm_int8" kernel): each row of activations written as two
+parts of 7-bit integers, both multiplied by the weight in one call of fbgemm's integer kernel, the two results scaled
+and added.
 
 PyTorch's weight-only int8 kernel multiplies in floating point and is bound by that arithmetic on one row (half the
 memory's speed or less, docs/quantize-kernels.md). fbgemm multiplies 8-bit activations by 8-bit weights in integers at
@@ -9,11 +10,11 @@ largest magnitude, and a fine part, what the coarse one leaves rounded to a 126t
 most 1/15,876 of the row's largest magnitude, against bfloat16's own rounding of each value by up to 1/512 of it.
 Two rows cost one row's time where reading the weight is what takes the time.
 
-Offered for 16-bit activations only (`Int8Linear.products`). Seven bits, not eight: fbgemm's AVX2 kernels add pairs
+Run for 16-bit activations only (`Int8Linear.runs`). Seven bits, not eight: fbgemm's AVX2 kernels add pairs
 of products in 16 bits, exact only for activations below 128. Integer sums are exact, so the result does not depend
 on the thread count. PyTorch reaches fbgemm only through its quantized tensors, which it has deprecated: only this
 module touches them, and where they are gone, where another quantized engine is set, or where the sums are other
-than exact, the product is not offered (`split_product_available`).
+than exact, the product is not run (`two_part_product_available`).
 """
 
 import functools
@@ -51,10 +52,10 @@ def pack_int8(q: torch.Tensor, scales: torch.Tensor) -> List[object]:
     return pieces
 
 
-def split_activations(rows: torch.Tensor):
+def two_parts(rows: torch.Tensor):
     """(coarse and fine parts stacked, integers in [-LEVELS, LEVELS] held in float32; the coarse parts' step, one per
     row) of `rows` (16-bit or float32): rows == (coarse + fine / FINE_STEPS) * step, to within step / 2 / FINE_STEPS.
-    Written with few operations, each into the parts' own memory: on one row their count is what the split costs."""
+    Written with few operations, each into the parts' own memory: on one row their count is what the parts cost."""
     count = len(rows)
     step = rows.abs().amax(-1, keepdim=True).float()  # exact in float32: each row's largest magnitude
     step.clamp_min_(torch.finfo(torch.float32).tiny).div_(LEVELS)
@@ -72,10 +73,10 @@ def integer_sums(levels: torch.Tensor, packed) -> torch.Tensor:
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(levels, 1.0, ZERO_POINT, packed)
 
 
-def split_product(x: torch.Tensor, pieces: List[object]) -> torch.Tensor:
+def two_part_product(x: torch.Tensor, pieces: List[object]) -> torch.Tensor:
     """The product of `x` and a weight packed by `pack_int8`, in `x`'s dtype (see the module's docstring)."""
     rows = x.reshape(-1, x.shape[-1])
-    parts, step = split_activations(rows)
+    parts, step = two_parts(rows)
     if len(pieces) == 1:
         sums = integer_sums(parts, pieces[0])
     else:
@@ -85,15 +86,28 @@ def split_product(x: torch.Tensor, pieces: List[object]) -> torch.Tensor:
 
 
 @functools.cache
-def split_product_available() -> bool:
-    """Whether this torch reaches fbgemm's integer product, and it sums the largest levels exactly here: weights
-    of int8's extremes times activations of the parts' extremes, against the same sums in float64."""
+def fbgemm_integer_kernel() -> bool:
+    """Whether this torch build reaches fbgemm's integer product on this CPU (its quantized ops, the "x86" or
+    "fbgemm" engine): the dependency of `two_part_product`."""
+    try:
+        pack_int8(torch.ones(16, 8, dtype=torch.int8), torch.ones(16))
+    except (AttributeError, RuntimeError):  # no quantized ops in this build, or no fbgemm on this CPU
+        return False
+    return True
+
+
+def exact_integer_sums() -> bool:
+    """Whether fbgemm sums the largest levels exactly here: weights of int8's extremes times activations of the
+    parts' extremes, against the same sums in float64."""
     q = torch.tensor([[127, 127], [-128, -128], [127, -127], [-128, 127]], dtype=torch.int8).repeat(4, 128)
     scales = torch.tensor([0.5, 1.0, 2.0, 4.0]).repeat(len(q) // 4)  # powers of 2: exact products
     levels = torch.tensor([[LEVELS, LEVELS], [-LEVELS, -LEVELS], [LEVELS, -LEVELS]], dtype=torch.float32).repeat(1, 128)
-    try:
-        (packed,) = pack_int8(q, scales)
-        sums = integer_sums(levels, packed)
-    except (AttributeError, RuntimeError):  # no quantized ops in this build, or no fbgemm on this CPU
-        return False
+    (packed,) = pack_int8(q, scales)
+    sums = integer_sums(levels, packed)
     return torch.equal(sums.double(), (levels.double() @ q.double().t()) * scales.double())
+
+
+@functools.cache
+def two_part_product_available() -> bool:
+    """Whether `two_part_product` runs here: fbgemm's integer kernel is present, and its sums are exact."""
+    return fbgemm_integer_kernel() and exact_integer_sums()

@@ -1,9 +1,8 @@
-"""The kernels a CPU linear product may run on, and what each needs: oneDNN, fbgemm on float16 copies of the
-weights (`pack_as_fp16`), `torch.mv`, `F.linear`; and one new position's attention on float32 matmuls
+"""What the CPU's float kernels need beyond `F.linear`: oneDNN (`onednn_supported`), fbgemm's products on float16
+copies of the weights (`pack_as_fp16`, `fp16_linear`), and one new position's bfloat16 attention on float32 matmuls
 (`one_position_attention`). Each keeps the reference math; they differ in the order of the sums only."""
 
 import math
-import os
 import sys
 from typing import List, Optional
 
@@ -19,13 +18,6 @@ def onednn_supported(device: torch.device) -> bool:
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
-
-
-def onednn_bf16_supported() -> bool:
-    """Whether oneDNN has bfloat16 kernels for this CPU (AVX-512 or AVX-NE-CONVERT); without them it cannot pack
-    bfloat16 weights, and AVX2 machines lack them."""
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return check is not None and check()
 
 
 def fbgemm_fp16_supported() -> bool:
@@ -50,17 +42,15 @@ def holds_bfloat16_values(weight: torch.Tensor) -> bool:
     return int(torch.count_nonzero(low_halves)) == 0
 
 
-def pack_as_fp16(*weights: torch.Tensor) -> Optional[List[torch.Tensor]]:
-    """fbgemm's packed float16 copy of `weights` stacked by rows (one weight, or the weights of layers that share
-    an input), in blocks of rows, or None where float16 cannot hold them: a value that is not a bfloat16 value
-    (`holds_bfloat16_values`; checked before anything is stacked), lies outside float16's range, or is not finite.
+def pack_as_fp16(weight: torch.Tensor) -> Optional[List[torch.Tensor]]:
+    """fbgemm's packed float16 copy of `weight`, in blocks of rows, or None where float16 cannot hold it: a value
+    that is not a bfloat16 value (`holds_bfloat16_values`), lies outside float16's range, or is not finite.
 
     Within that range float16 holds every bfloat16 value exactly, except those below 2**-17 in magnitude, which
     it rounds to a multiple of 2**-24 (float16's subnormals): a change below 3e-8 per weight.
     """
-    if not all(holds_bfloat16_values(weight) for weight in weights):
+    if not holds_bfloat16_values(weight):
         return None
-    weight = weights[0] if len(weights) == 1 else torch.cat(weights)
     rows = max(1, FP16_BLOCK_VALUES // weight.shape[1])
     packed = []
     for block in weight.detach().split(rows):
@@ -69,15 +59,6 @@ def pack_as_fp16(*weights: torch.Tensor) -> Optional[List[torch.Tensor]]:
             return None
         packed.append(torch.ops.quantized.linear_prepack_fp16(block, None))
     return packed
-
-
-def weight_copy(kernel: str, *weights: torch.Tensor):
-    """The copy `kernel` runs on of `weights` stacked by rows (one weight, or the weights of layers that share an
-    input): fbgemm's float16 blocks for "fp16" (None where float16 cannot hold them: `pack_as_fp16`), oneDNN's
-    blocked layout for "onednn" (bfloat16 weights)."""
-    if kernel == "fp16":
-        return pack_as_fp16(*weights)
-    return torch.ops.mkldnn._reorder_linear_weight(weights[0] if len(weights) == 1 else torch.cat(weights))
 
 
 def fp16_products(rows: torch.Tensor, packed: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -99,70 +80,6 @@ def fp16_linear(x: torch.Tensor, packed: List[torch.Tensor]) -> torch.Tensor:
     return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
-def with_versions(weights: List[torch.Tensor]) -> list:
-    """Each weight with its version now, to tell later whether a copy made from them still holds them."""
-    return [(weight, weight._version) for weight in weights]
-
-
-def unchanged(recorded: list, weights: List[torch.Tensor]) -> bool:
-    """Whether `weights` are the tensors `with_versions` recorded, none replaced or changed in place since.
-
-    A change is seen through the tensor's version counter, which in-place ops bump (under `torch.no_grad()` or
-    `load_state_dict`); writes through `.data` do not bump it.
-    """
-    return all(weight is old and weight._version == version for weight, (old, version) in zip(weights, recorded))
-
-
-# The kernels a product can run on. Each computes `x @ weight.T` with float32 products summed in float32 (the
-# result rounded to the input's dtype, as `F.linear` rounds it); they differ in the order of the sums only.
-KERNELS = ("fp16", "onednn", "mv", "linear")
-KERNEL_VARIABLE = "LLAMA_CPU_KERNEL"  # pins one kernel for every product it can run: for tests and bisecting
-
-
-def candidate_kernels(dtype: torch.dtype, rows: int, fp16_holds: bool, copies: bool) -> List[str]:
-    """The kernels that keep the reference math for a product of `rows` rows with weights of `dtype` here.
-
-    `fp16_holds`: float16 holds the weights exactly (`holds_bfloat16_values`); `copies`: memory allows a second
-    copy of the weights (a float16 copy, or oneDNN's packed one).
-    """
-    kernels = []
-    if fp16_holds and copies and fbgemm_fp16_supported():
-        kernels.append("fp16")  # fbgemm on a float16 copy: float32 products of the same numbers
-    if dtype == torch.float32:
-        kernels.append("onednn")  # oneDNN's float32 kernel on the weight as loaded
-    elif copies and onednn_bf16_supported():
-        kernels.append("onednn")  # oneDNN's bfloat16 kernel on a copy in its blocked layout: F.linear's own kernel
-    if rows == 1:
-        kernels.append("mv")  # PyTorch's matrix-vector product, what F.linear runs for one row without oneDNN
-    kernels.append("linear")  # F.linear, the reference's own call
-    return kernels
-
-
-def pinned_kernel() -> Optional[str]:
-    """The kernel `LLAMA_CPU_KERNEL` pins, or None where it is unset (or empty): the kernels are measured."""
-    kernel = os.environ.get(KERNEL_VARIABLE, "").strip()
-    if kernel and kernel not in KERNELS:
-        choices = ", ".join(KERNELS)
-        raise ValueError(f"{KERNEL_VARIABLE}={kernel!r} is not a CPU kernel: set one of {choices}, or unset it")
-    return kernel or None
-
-
-def run_kernel(kernel: str, x: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
-    """`x @ weight.T` on `kernel`; `packed` is the weight's copy for the kernels that run on one (float16 blocks
-    for "fp16", oneDNN's layout for "onednn" in bfloat16)."""
-    if kernel == "fp16":
-        return fp16_linear(x, packed)
-    if kernel == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x, weight if packed is None else packed, None, "none", [], "")
-    if kernel == "mv" and x.numel() == x.shape[-1]:
-        return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], -1)
-    return F.linear(x, weight)
-
-
-# The kernels one new position's bfloat16 attention may run on: SDPA's, or `one_position_attention`'s float32 matmuls.
-ATTENTION_KERNELS = ("sdpa", "matmul")
-
-
 def one_position_attention(
     xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, from_positions: int = 0
 ) -> torch.Tensor:
@@ -172,8 +89,8 @@ def one_position_attention(
     float32, so float32 matmuls give Meta's bfloat16 matmuls but for the order of their sums.
 
     SDPA's bfloat16 kernel attends one position several times more slowly than this on long caches, and faster on
-    short ones (docs/speed.md); below `from_positions` positions it runs instead (`llama.runtime.cpu.attention`
-    measures where they cross).
+    short ones (docs/speed.md); below `from_positions` positions it runs instead (the kernel table's
+    `MATMUL_ATTENTION_FROM`).
     """
     bsz, n_heads, _, head_dim = xq.shape
     n_kv_heads, positions = keys.shape[1], keys.shape[2]

@@ -5,9 +5,7 @@ no second copy of the weight is held (docs/quantize-kernels.md has the figures).
 
 Each block is widened into a buffer of this thread's (`scratch`), reused by every block and every call: memory
 mapped afresh at each call is faulted in page by page, which cost a small weight's product at 64 rows half again
-its time. Each product comes in two orders (`left`): the input times the block's transpose, x W^T, where the matrix
-kernel packs the block into its own layout at every call, or the block on the left, W x^T, where it packs the
-input instead and reads the block as it lies (faster on a few dozen rows, slower on a few; the load times both).
+its time.
 """
 
 import functools
@@ -35,25 +33,16 @@ def scratch(name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tens
 
 
 class BlockProducts:
-    """The output of a widened product (`rows` x `out_features`, in `rows`' dtype), written a block of at most
-    `width` outputs at a time (`put`): by x W^T into the output as it lies, or `left`, by W x^T into a block of its
-    own, then copied transposed into the output while it is in the cache (a transpose of the whole output at the
-    end took 2.6 ms at 512 x 8192)."""
+    """The output of a widened product (`rows` x `out_features`, in `rows`' dtype), written a block of outputs at a
+    time (`put`), x W^T into the output as it lies."""
 
-    def __init__(self, rows: torch.Tensor, out_features: int, width: int, left: bool):
+    def __init__(self, rows: torch.Tensor, out_features: int):
         self.rows = rows
         self.y = torch.empty(len(rows), out_features, dtype=rows.dtype)
-        self.block = torch.empty(width, len(rows), dtype=rows.dtype) if left else None
 
     def put(self, weight: torch.Tensor, start: int) -> None:
         """The product of the rows and `weight`, a block of outputs from `start`."""
-        out = self.y[:, start : start + len(weight)]
-        if self.block is None:
-            torch.matmul(self.rows, weight.t(), out=out)
-        else:
-            block = self.block[: len(weight)]
-            torch.matmul(weight, self.rows.t(), out=block)
-            out.copy_(block.t())
+        torch.matmul(self.rows, weight.t(), out=self.y[:, start : start + len(weight)])
 
     def result(self, scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The product, rows by outputs, each output scaled by `scales` if given."""
@@ -61,16 +50,15 @@ class BlockProducts:
 
 
 def widened_in_blocks(
-    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, dtype: Optional[torch.dtype] = None, left: bool = False
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, dtype: Optional[torch.dtype] = None
 ) -> torch.Tensor:
     """The product of `x` and an int8 weight (`q`, one scale per output row), the weight widened to `dtype` (`x`'s
-    if None) a block at a time, multiplied in the order `left` says (`BlockProducts`): in float32 that is MKL's
-    product, several times faster on a prompt's rows than bfloat16's where the CPU has no bfloat16 matrix kernels
-    (AVX2)."""
+    if None) a block at a time (`BlockProducts`): in float32 that is MKL's product, several times faster on a
+    prompt's rows than bfloat16's where the CPU has no bfloat16 matrix kernels (AVX2)."""
     dtype = dtype or x.dtype
     step = chunk_rows(q.shape[1])
     widest = min(step, q.shape[0])
-    products = BlockProducts(x.reshape(-1, x.shape[-1]).to(dtype), q.shape[0], widest, left)
+    products = BlockProducts(x.reshape(-1, x.shape[-1]).to(dtype), q.shape[0])
     buffer = scratch("int8 widened", (widest, q.shape[1]), dtype)
     for start in range(0, q.shape[0], step):
         block = q[start : start + step]
@@ -101,11 +89,10 @@ def widened_int4_in_blocks(
     scales_and_zeros: torch.Tensor,
     group_size: int,
     dtype: Optional[torch.dtype] = None,
-    left: bool = False,
 ) -> torch.Tensor:
     """The product of `x` and an int4 weight in the CPU kernel's layout, the weight dequantized in float32 (as
-    `dequantize` computes it) a block at a time, rounded to `dtype` (`x`'s if None), multiplied in the order `left`
-    says (`BlockProducts`): in float32 MKL's product (fast on AVX2), in bfloat16 oneDNN's (fast where the CPU
+    `dequantize` computes it) a block at a time, rounded to `dtype` (`x`'s if None) (`BlockProducts`): in float32
+    MKL's product (fast on AVX2), in bfloat16 oneDNN's (fast where the CPU
     multiplies bfloat16: AVX-512 with bfloat16, AMX).
 
     The block is unpacked outputs by inputs, as `F.linear` takes a weight: the layout holds it inputs by outputs, so
@@ -118,7 +105,7 @@ def widened_int4_in_blocks(
     out_features, in_features = packed.shape[0], packed.shape[1] * 2
     step = max(block_rows, chunk_rows(in_features) // block_rows * block_rows)
     widest = min(step, out_features)
-    products = BlockProducts(x.reshape(-1, x.shape[-1]).to(dtype), out_features, widest, left)
+    products = BlockProducts(x.reshape(-1, x.shape[-1]).to(dtype), out_features)
     nibbles = scratch("int4 nibbles", (widest // block_rows, half, in_features), torch.uint8)
     buffer = scratch("int4 dequantized", (widest, in_features), torch.float32)
     rounded = buffer if dtype == torch.float32 else scratch("int4 rounded", (widest, in_features), dtype)
