@@ -15,19 +15,6 @@ settings.register_profile("long", max_examples=5000, deadline=None, print_blob=T
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def kernel_cache_in_a_temporary_folder(tmp_path_factory):
-    """The CPU kernels `llama.runtime.cpu` measures at load are cached under $XDG_CACHE_HOME: a folder of this session's
-    own, not the user's ~/.cache, so that tests neither read a choice made elsewhere nor leave one behind."""
-    saved = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
-    yield
-    if saved is None:
-        del os.environ["XDG_CACHE_HOME"]
-    else:
-        os.environ["XDG_CACHE_HOME"] = saved
-
-
 @pytest.fixture(scope="session")
 def tokenizer_path() -> str:
     """The Llama 3 tokenizer.model path (see `helpers.find_tokenizer_path`)."""

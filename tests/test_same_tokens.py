@@ -3,25 +3,18 @@
 a checkpoint give identical logits, in float32, bfloat16 and quantized.
 
 Each test forces the condition that breaks this on some CPUs rather than waiting for a CPU that shows it: kernels
-that round differently at different row counts, a KV cache filled by another batch, timings that change between
-loads.
+that round differently at different row counts, a KV cache filled by another batch, a cache of another size, a busy
+machine.
 """
 
-import json
-import os
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import with_repo
 
-import llama.runtime.cpu.choice
 from llama import Llama
-from llama.runtime import quantized_kernels
-from llama.runtime.cpu import CPULinear
+from llama.runtime.cpu.layers import CPULinear
 from llama.runtime.quantized import Int4Linear, Int8Linear
 
 PROMPTS = ["The best way to", "日本の首都は", "Once upon a time, in a land"]
@@ -33,19 +26,23 @@ MAX_GEN = 16
 
 
 def rounding_by_row_count(generator: Llama) -> None:
-    """Run one row on other kernels than many rows: `torch.mv` against `F.linear` for the float layers, PyTorch's int8
+    """Run one row on other kernels than many rows: oneDNN's against `F.linear` for the float layers, PyTorch's int8
     kernel against the widened weight for int8 ones, its int4 kernel against the weight widened to float32 for int4
-    ones (where the layer has that product). They sum in other orders, as kernels chosen per row count by timing do,
-    so that a position computed alone rounds otherwise than inside a prompt; and every count of several rows runs
-    one kernel, as timings on a busy machine would not: a call with logprobs (every position through the last layer)
-    and one without (the last position of each row) then round their last positions alike."""
+    ones (where the layer has that kernel). They sum in other orders, so that a position computed alone rounds
+    otherwise than inside a prompt; and every count of several rows runs one kernel: a call with logprobs (every
+    position through the last layer) and one without (the last position of each row) then round their last
+    positions alike."""
     for layer in generator.model.modules():
         if isinstance(layer, CPULinear):
-            layer.kernels = {1: "mv", 256: "linear"}
+            layer.kernels = ("onednn", "linear", "linear", "linear")
         elif isinstance(layer, Int8Linear):
-            layer.kernels = {1: "int8", 256: "widened"}
+            layer.kernels = ("int8", "widened", "widened", "widened")
         elif isinstance(layer, Int4Linear):
-            layer.kernels = {1: "tinygemm", 256: "widened32" if "widened32" in layer.products(256) else "tinygemm"}
+            many = "widened32" if layer.runs("widened32") else "int4pack"
+            layer.kernels = ("int4pack", many, many, many)
+        else:
+            continue
+        layer.make_copies()
 
 
 def tiny_generator(checkpoint, tokenizer_path, dtype, quantize) -> Llama:
@@ -57,7 +54,7 @@ def tiny_generator(checkpoint, tokenizer_path, dtype, quantize) -> Llama:
     return generator
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16", "int8", "int4", "int8-dyn", "int4-dyn"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "int8", "int4"])
 def generator(request, tiny_checkpoint, tokenizer_path, process_group) -> Llama:
     quantize = request.param if request.param.startswith("int") else None
     return tiny_generator(tiny_checkpoint, tokenizer_path, None if quantize else request.param, quantize)
@@ -104,103 +101,57 @@ def test_a_prompt_gives_what_a_fresh_generator_gives_whatever_ran_before(generat
     assert seeded(lambda: fresh.text_completion(PROMPTS[2:], max_gen_len=MAX_GEN, logprobs=True)) == after_others
 
 
-def fake_timings(seconds: dict):
-    """A `time_kernels` that finds `seconds[kernel]` (a list of rounds, or one figure for every round) for each
-    kernel of every product."""
-
-    def rounds_of(kernel, rounds):
-        found = seconds[kernel]
-        return list(found) if isinstance(found, list) else [found] * rounds
-
-    return lambda runs, _, rounds=5: [{k: rounds_of(k, rounds) for k in calls} for calls in runs]
-
-
-def int8_timings_where(faster: str) -> dict:
-    """Stand-ins for the CPU int8 products, timed only: `faster` takes no time, the other 2 ms."""
-
-    def slow(x, q, scales):
-        time.sleep(0.002)
-        return x
-
-    return {name: (lambda x, q, scales: x) if name == faster else slow for name in ("int8", "widened", "widened32")}
-
-
-def step_logits(generator: Llama, tokens: torch.Tensor) -> torch.Tensor:
-    """The logits of a prompt, then of one position at a time, as decoding runs them."""
+def prompt_and_steps(generator: Llama, prompt: torch.Tensor, steps: int, decode_step: bool) -> torch.Tensor:
+    """The logits of `prompt`, then of `steps` greedy decode steps after it, each one token (through the model's
+    `forward`, as `generate` runs them, or its `decode_step`, as the server's engine does)."""
     model = generator.model
-    pieces = [model.forward(tokens[:, :6], 0)]
-    pieces += [model.forward(tokens[:, pos : pos + 1], pos) for pos in range(6, tokens.shape[1])]
-    return torch.cat(pieces, dim=1)
+    logits = [model.forward(prompt, 0)]
+    position = prompt.shape[1]
+    for _ in range(steps):
+        token = logits[-1][:, -1:].argmax(-1)
+        if decode_step:
+            logits.append(model.decode_step(token, torch.tensor([position])))
+        else:
+            logits.append(model.forward(token, position))
+        position += 1
+    return torch.cat(logits, dim=1)
+
+
+BUSY = "while True: pass"  # a process that keeps a core busy
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantize", [None, "int8"])
-def test_two_loads_give_identical_logits_though_the_timings_change_between_them(
-    tiny_checkpoint, tokenizer_path, process_group, tmp_path, monkeypatch, quantize
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_loads_give_identical_logits_whatever_the_cache_s_size_and_the_machine_s_load(
+    tiny_checkpoint, tokenizer_path, process_group, dtype, quantize
 ):
-    """The first load measures on a busy machine (one kernel slowed in most rounds: rounds that disagree), the second
-    on a quiet one whose timings would choose other kernels and products: the second runs the first's choices, and
-    gives its logits bit for bit."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    busy = {"onednn": [1e-9, 1e-9, 5e-9, 5e-9, 5e-9], "fp16": 3e-9, "mv": 2.5e-9, "linear": 4e-9}
-    quiet = {"onednn": 1e-9, "fp16": 3e-9, "mv": 2.5e-9, "linear": 4e-9}
-    tokens = torch.randint(0, 128256, (1, 12), generator=torch.Generator().manual_seed(4))
-    logits, kernels = [], []
-    for timings, faster_int8 in ((busy, "int8"), (quiet, "widened")):
-        monkeypatch.setattr(llama.runtime.cpu.choice, "time_kernels", fake_timings(timings))
-        monkeypatch.setattr(quantized_kernels, "CPU_INT8_PRODUCTS", int8_timings_where(faster_int8))
-        generator = Llama.build(
-            str(tiny_checkpoint), tokenizer_path, max_seq_len=64, max_batch_size=4, device="cpu", quantize=quantize
-        )
-        with torch.inference_mode():
-            logits.append(step_logits(generator, tokens))
-        layers = [m for m in generator.model.modules() if isinstance(m, (CPULinear, Int8Linear))]
-        kernels.append([dict(layer.kernels) for layer in layers])
-    assert kernels[1] == kernels[0]
-    assert torch.equal(logits[1], logits[0])
-
-
-# One load in a process of its own, timing its kernels slowly (a second a measurement) and ranking them as it is told:
-# the first candidate of each choice fastest, or the last, by 1.1x (a margin within which a later load's re-check
-# finds cached figures still hold: `llama.runtime.cpu.choice.FLIPPED`).
-RACING_LOAD = """
-import json, sys, time
-import llama.runtime.cpu.attention, llama.runtime.cpu.choice
-from llama import Llama
-
-def time_kernels(runs, flush, rounds):
-    time.sleep(1.0)
-    fastest = [list(calls)[0 if sys.argv[3] == "first" else -1] for calls in runs]
-    return [{k: [1e-3 if k == f else 1.1e-3] * rounds for k in calls} for calls, f in zip(runs, fastest)]
-
-for module in (llama.runtime.cpu.attention, llama.runtime.cpu.choice):
-    module.time_kernels = time_kernels
-generator = Llama.build(sys.argv[1], sys.argv[2], max_seq_len=64, max_batch_size=4, device="cpu", dtype="bfloat16")
-attention = generator.model.layers[0].attention.one_position_attention
-print(json.dumps([generator.model.kernels_in_use, attention is not None]))
-"""
-
-
-@pytest.mark.slow
-def test_loads_started_together_choose_alike(tiny_checkpoint, tokenizer_path, tmp_path):
-    """Two processes load at once on a machine that has measured nothing, and their timings rank the kernels
-    oppositely: the one that starts measuring second waits for the first, and runs the kernels the first measured,
-    as every later load here will."""
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=with_repo(Path(__file__).resolve().parents[1]))
-    loads = [
-        subprocess.Popen(
-            [sys.executable, "-c", RACING_LOAD, str(tiny_checkpoint), tokenizer_path, rank],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
-        for rank in ("first", "last")
-    ]
-    outputs = [load.communicate(timeout=120) for load in loads]
-    assert [load.returncode for load in loads] == [0, 0], outputs
-    choices = [json.loads(stdout) for stdout, _ in outputs]
-    assert choices[0] == choices[1]
+    """Loads of one checkpoint with caches of 256 and 4096 positions, for 1 and 4 sequences, and one of them beside
+    two busy processes, give the same logits bit for bit on a 64-token prompt and 16 decode steps, through `forward`
+    and through `decode_step`: the kernels depend on the CPU, the weights and each call's rows only, never on a
+    timing or on the cache's size."""
+    prompt = torch.randint(0, 128256, (1, 64), generator=torch.Generator().manual_seed(4))
+    found = []
+    for max_seq_len, max_batch_size, busy in ((256, 1, False), (4096, 4, True)):
+        others = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(2 * busy)]
+        try:
+            generator = Llama.build(
+                str(tiny_checkpoint),
+                tokenizer_path,
+                max_seq_len=max_seq_len,
+                max_batch_size=max_batch_size,
+                device="cpu",
+                dtype=dtype,
+                quantize=quantize,
+            )
+            with torch.inference_mode():
+                found.append([prompt_and_steps(generator, prompt, 16, step) for step in (False, True)])
+        finally:
+            for other in others:
+                other.kill()
+                other.wait()
+    for first, second in zip(*found):
+        assert torch.equal(first, second)
 
 
 @pytest.mark.slow
