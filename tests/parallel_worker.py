@@ -1,12 +1,13 @@
 """One process of a model-parallel run, launched by tests/test_parallel.py under torchrun (or plain python).
 
     torchrun --nproc_per_node M tests/parallel_worker.py CKPT_DIR TOKENIZER OUT_PREFIX [--fail raise --fail-rank 1]
-        [--compile] [--quantize int8|int4] [--greedy-only] [--dtype bfloat16]
-        [--skewed-timings --cache-per-rank DIR]
+        [--compile] [--quantize int8|int4] [--greedy-only] [--dtype bfloat16] [--also CKPT_DIR:int8 ...]
 
 Every rank builds the Llama, completes PROMPTS greedily and then (unless --greedy-only) two of them with sampling
 and all of them in a next turn, and writes OUT_PREFIX.rank{R}.json: its token IDs, a sha256 per parameter of the
-weights it loaded and the CPU kernels it runs. Rank 0 also prints the greedy generations. `--fail` makes one rank
+weights it loaded and the CPU kernels it runs. Rank 0 also prints the greedy generations. Each `--also` item then
+builds another checkpoint in the same processes, quantized as it says, and writes OUT_PREFIX.also{I}.rank{R}.json
+(one launch serves several checkpoints: starting the processes is most of a run's time). `--fail` makes one rank
 misbehave on purpose, to test that the others stop; it writes OUT_PREFIX.rank{R}.failed_at (a time.time()) first.
 Every rank writes OUT_PREFIX.rank{R}.pid.
 """
@@ -43,19 +44,22 @@ def main() -> None:
     parser.add_argument("--quantize", choices=["int8", "int4"], help="Llama.build's quantize")
     parser.add_argument("--greedy-only", action="store_true", help="complete greedily only (no sampling, no next turn)")
     parser.add_argument("--dtype", default="float32", help="Llama.build's dtype")
-    parser.add_argument("--skewed-timings", action="store_true", help="rank 0 times the kernels unlike the others")
-    parser.add_argument("--cache-per-rank", help="each rank's kernel cache in a folder of its own under this one")
+    parser.add_argument("--also", nargs="+", default=[], help="CKPT_DIR:SCHEME items, built and run in turn")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", 0))
-    if args.skewed_timings:
-        skew_kernel_timings(rank)
-    if args.cache_per_rank:  # as on nodes of their own: no rank reads what another measured
-        os.environ["XDG_CACHE_HOME"] = os.path.join(args.cache_per_rank, f"rank{rank}")
     failing = rank == args.fail_rank
     with open(f"{args.out_prefix}.rank{rank}.pid", "w") as f:  # lets the test end a worker it left behind
         f.write(str(os.getpid()))
 
     ckpt_dir = args.fail_ckpt_dir if failing and args.fail_ckpt_dir else args.ckpt_dir
+    run(args, ckpt_dir, args.quantize, args.out_prefix, rank, failing)
+    for index, item in enumerate(args.also):
+        also_dir, _, scheme = item.rpartition(":")
+        run(args, also_dir, scheme, f"{args.out_prefix}.also{index}", rank, False)
+
+
+def run(args, ckpt_dir: str, quantize, out_prefix: str, rank: int, failing: bool) -> None:
+    """Build `ckpt_dir` quantized as `quantize`, complete PROMPTS, write OUT_PREFIX.rank{R}.json."""
     generator = Llama.build(
         ckpt_dir,
         args.tokenizer_path,
@@ -65,13 +69,13 @@ def main() -> None:
         dtype=args.dtype,  # float32 by default: what Meta folders get on CPU anyway
         timeout=timedelta(seconds=args.timeout),
         compile=args.compile,
-        quantize=args.quantize,
+        quantize=quantize,
         prefix_cache=True,  # the next turn below reuses the first's cache
     )
     if rank == 0:  # the library prints nothing; its report of the load is the caller's to show
         print(generator.load_report)
     if failing and args.fail:
-        with open(f"{args.out_prefix}.rank{rank}.failed_at", "w") as f:  # when the others lose this rank
+        with open(f"{out_prefix}.rank{rank}.failed_at", "w") as f:  # when the others lose this rank
             f.write(str(time.time()))
         if args.fail == "raise":
             raise RuntimeError(f"rank {rank} fails on purpose after build")
@@ -112,26 +116,8 @@ def main() -> None:
 
         result["compiled_graphs"] = counters["stats"]["unique_graphs"]
         result["graph_breaks"] = list(counters["graph_break"])
-    with open(f"{args.out_prefix}.rank{rank}.json", "w") as f:
+    with open(f"{out_prefix}.rank{rank}.json", "w") as f:
         json.dump(result, f)
-
-
-def skew_kernel_timings(rank: int) -> None:
-    """Make the kernels' timings at load disagree between ranks, as real ones may (by less): rank 0 finds the
-    first candidate of every choice the fastest, the other ranks the last."""
-    import llama.runtime.cpu.attention
-    import llama.runtime.cpu.choice
-    import llama.runtime.quantized_kernels
-
-    def time_kernels(runs, flush, rounds, warm=None):
-        timings = []
-        for calls in runs:
-            fastest = list(calls)[0 if rank == 0 else -1]
-            timings.append({kernel: [1e-3 if kernel == fastest else 2e-3] * rounds for kernel in calls})
-        return timings
-
-    for module in (llama.runtime.cpu.attention, llama.runtime.cpu.choice, llama.runtime.quantized_kernels):
-        module.time_kernels = time_kernels
 
 
 if __name__ == "__main__":

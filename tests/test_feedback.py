@@ -20,7 +20,7 @@ from llama.cli.main import build_parser
 from llama.decoding.speculative import DraftCounts
 from llama.decoding.speed import Stopwatch
 from llama.model import ModelArgs
-from llama.quantize import LOAD_SCHEMES, SCHEMES, check_scheme
+from llama.quantize import SCHEMES, check_scheme
 from llama.runtime.compiled import AnnouncedCompiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,14 +51,15 @@ def test_a_quick_load_draws_no_bar(monkeypatch):
     assert sys.stderr.getvalue() == ""  # done within BAR_DELAY
 
 
-def test_compiling_is_announced_once_per_batch_size_and_left_out_of_the_speed(caplog):
+def test_compiling_is_announced_once_per_batch_size_and_left_out_of_the_speed(caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="llama.progress")
+    clock = [0.0]  # perf_counter's seconds, moved only by the steps: no wall clock, so a busy machine changes nothing
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     compiled = set()
 
-    def step(tokens, position):  # compiles (slowly) the first time it sees a batch size
-        if tokens.shape[0] not in compiled:
-            time.sleep(0.5)
-            compiled.add(tokens.shape[0])
+    def step(tokens, position):  # compiles (30 s) the first time it sees a batch size; a compiled step takes 0.25 s
+        clock[0] += 0.25 if tokens.shape[0] in compiled else 30.0
+        compiled.add(tokens.shape[0])
         return tokens
 
     stub = {"decode_step": AnnouncedCompiles(step), "last_reused": [], "last_drafts": DraftCounts()}
@@ -71,8 +72,8 @@ def test_compiling_is_announced_once_per_batch_size_and_left_out_of_the_speed(ca
         "Compiling the decode step for batch size 1",
         "Compiling the decode step for batch size 4",
     ]
-    assert decoder.decode_step.compile_seconds >= 1.0
-    assert stopwatch.speed(10).seconds < 0.3  # the two compiles' seconds are not counted
+    assert decoder.decode_step.compile_seconds == 60.0
+    assert stopwatch.speed(10).seconds == 0.5  # the two compiled steps; the two compiles' 60 s are not counted
 
 
 def test_ranks_on_one_machine_share_its_memory_for_their_kv_caches(monkeypatch):
@@ -103,8 +104,10 @@ def test_the_kv_cache_message_names_each_setting_once(monkeypatch, capsys):
 def test_the_quantize_error_offers_only_what_a_flag_can_take():
     with pytest.raises(ValueError) as error:
         check_scheme("int3")
-    assert str(error.value) == "Unknown quantization scheme 'int3'; use one of int8, int4, int8-dyn, int4-dyn"
-    for scheme in SCHEMES + LOAD_SCHEMES:  # and the command takes each (it names them itself, without torch)
+    assert str(error.value) == "Unknown quantization scheme 'int3'; use one of int8, int4"
+    with pytest.raises(ValueError, match="was removed; use int8 or int4"):  # a scheme of earlier releases
+        check_scheme("int8-dyn")
+    for scheme in SCHEMES:  # and the command takes each (it names them itself, without torch)
         assert build_parser().parse_args(["chat", "ckpt", "--quantize", scheme]).quantize == scheme
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -20,9 +21,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from llama import Llama
-from llama.checkpoint import model_args_from, open_checkpoint
+from llama.checkpoint import gguf_file, model_args_from, open_checkpoint
 from llama.checkpoint.convert import hf_to_meta, to_gguf
-from llama.runtime.quantized_kernels import CPU_INT4_PRODUCTS
+from llama.runtime.quantized import Int4Linear
 from llama.tokenizer import Tokenizer
 
 gguf = import_or_skip("gguf", "pip install -e '.[test]'")
@@ -256,24 +257,57 @@ def bare_header(bare):
     return data, start
 
 
+class RecordedFile:
+    """A file opened for reading that notes, in `ends`, the offset just past the last byte each read asks for."""
+
+    def __init__(self, file, ends: list):
+        self.file, self.ends = file, ends
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self.file.seek(offset, whence)
+
+    def read(self, size: int = -1) -> bytes:
+        self.ends.append(float("inf") if size < 0 else self.file.tell() + size)
+        return self.file.read(size)
+
+    def readinto(self, buffer) -> int:
+        self.ends.append(self.file.tell() + memoryview(buffer).nbytes)
+        return self.file.readinto(buffer)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(edits=st.lists(st.tuples(st.integers(0, 10**9), st.integers(0, 255)), min_size=1, max_size=6))
 @example(edits=[(1280, 0)])  # found by a run: a 0 in a tensor's shape (blk.1.attn_v.weight's width)
 def test_a_mutated_gguf_header_loads_or_is_a_value_error(bare_header, tmp_path, edits):
     """Bytes of the header (counts, lengths, types, shapes, offsets) overwritten: the file opens and every tensor
-    reads, or a ValueError says why; no other error, and nothing reads past the file."""
+    reads in its shape, or a ValueError naming the file says why; no other error, and nothing reads past the file.
+    The header is read through the gguf package's memory map, which ends where the file does; the tensors' bytes
+    through `open`, whose reads are recorded here."""
     data, header = bare_header
     mutated = bytearray(data)
     for position, value in edits:
         mutated[position % header] = value
     path = tmp_path / "mutated.gguf"
     path.write_bytes(bytes(mutated))
-    try:
-        reader = open_checkpoint(path)
-        for key in reader.shapes:
-            reader.read(key)
-    except ValueError:
-        pass
+    ends = []
+
+    def recorded_open(file, mode="r"):
+        return RecordedFile(open(file, mode), ends)
+
+    with mock.patch.object(gguf_file, "open", recorded_open, create=True):
+        try:
+            reader = open_checkpoint(path)
+            for key in reader.shapes:
+                assert reader.read(key).shape == reader.shapes[key], key
+        except ValueError as error:
+            assert str(path) in str(error), error
+    assert max(ends, default=0) <= len(mutated), f"read up to byte {max(ends)} of a {len(mutated)}-byte file"
 
 
 @pytest.mark.slow
@@ -335,13 +369,13 @@ def test_a_4_bit_file_s_other_layers_load_dequantized_and_the_load_report_says_s
     generator = Llama.build(str(mixed), tokenizer_path, **build)
     report, kernels = str(generator.load_report).splitlines()
     assert report.endswith("1; embedding int4 (Q4_0, codes kept); 1 of 15 layers dequantized, not int4 (1 Q8_0)")
-    # At every row count the float head was measured at, the 14 int4 layers run an int4 product (PyTorch's kernel or
-    # the weight widened, as timed) and the head a float one.
-    per_rows = kernels.removeprefix("Kernels, by rows per product: ").split("; ")
+    # In every row class the 14 int4 layers run an int4 kernel (PyTorch's, or the weight widened, as the kernel table
+    # says) and the head a float one.
+    per_rows = kernels.removeprefix("Kernels, by rows per call: ").split("; ")
     assert len(per_rows) > 1, kernels
     for part in per_rows:
         counts = {kernel: int(n) for kernel, n in (item.rsplit(" ", 1) for item in part.split(": ")[1].split(", "))}
-        int4_counts = sum(counts.get(name, 0) for name in CPU_INT4_PRODUCTS)
+        int4_counts = sum(counts.get(name, 0) for name in Int4Linear.KERNELS)
         assert int4_counts == 14 and sum(counts.values()) == 15, kernels
     hf_to_meta(mixed, tmp_path / "dequantized")  # every layer as the file's values, in float32
     expected = Llama.build(str(tmp_path / "dequantized"), tokenizer_path, **build)

@@ -15,7 +15,7 @@ from torch import nn
 
 import llama.checkpoint.load
 import llama.distributed
-import llama.runtime.cpu.layers
+import llama.runtime.steps
 from llama import Llama
 from llama.checkpoint import AllocateOnMeta
 from llama.model import ModelArgs, Transformer
@@ -67,7 +67,7 @@ def test_no_process_prints_and_stdout_stays(tiny_checkpoint, tokenizer_path, pro
     for rank in (1, 0):  # as torchrun's global ranks; the model-parallel rank stays 0
         monkeypatch.setattr(llama.distributed, "global_rank", lambda rank=rank: rank)
         monkeypatch.setattr(llama.checkpoint.load, "global_rank", lambda rank=rank: rank)
-        monkeypatch.setattr(llama.runtime.cpu.layers, "global_rank", lambda rank=rank: rank)  # its float16 copies' line
+        monkeypatch.setattr(llama.runtime.steps, "global_rank", lambda rank=rank: rank)  # its kernels' line
         captured = io.StringIO()
         monkeypatch.setattr(sys, "stdout", captured)
         generator = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=16, max_batch_size=1, device="cpu")
@@ -78,7 +78,7 @@ def test_no_process_prints_and_stdout_stays(tiny_checkpoint, tokenizer_path, pro
     report = str(generator.load_report)
     assert re.fullmatch(
         r"Loaded in \d+\.\d\d seconds: Meta checkpoint, device cpu, dtype float32, not quantized, "
-        r"model-parallel size 1\nKernels, by rows per product: 1 row: .+",
+        r"model-parallel size 1\nKernels, by rows per call: 1 row: .+",
         report,
     ), report
 

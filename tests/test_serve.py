@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import date
 from pathlib import Path
 from typing import List, Literal
 
@@ -22,8 +23,6 @@ openai = import_or_skip("openai", "pip install -e '.[test]'")
 import_or_skip("fastapi", "pip install -e '.[serve]'")
 
 from serve_process import Server  # noqa: E402
-
-from llama.tools import tool_messages  # noqa: E402
 
 MODEL = "tiny"
 KEY = "test-key"
@@ -298,8 +297,8 @@ def test_requests_that_join_a_running_batch_get_their_solo_tokens(server, client
     assert server.health()["free_rows"] == ROWS
 
 
-def tools_request():
-    weather = {
+WEATHER_TOOLS = [
+    {
         "type": "function",
         "function": {
             "name": "get_weather",
@@ -311,39 +310,107 @@ def tools_request():
             },
         },
     }
-    return [weather], {
+]
+
+
+# WEATHER_TOOLS' function in Llama 3.1's JSON tools prompt, written out as Meta's prompt-format document shows
+# one (llama-models' llama3_1/prompt_format.md, "JSON based tool calling"): a user message before the question.
+WEATHER_TOOL_PROMPT = """\
+Answer the user's question by making use of the following functions if needed.
+If none of the function can be used, please say so.
+Here is a list of functions in JSON format:
+{
+    "type": "function",
+    "function": {
         "name": "get_weather",
         "description": "The weather in a city",
-        "parameters": {"city": {"param_type": "string", "description": "Its name", "required": True}},
+        "parameters": {
+            "type": "object",
+            "properties": [
+                {
+                    "city": {
+                        "type": "object",
+                        "description": "Its name"
+                    }
+                }
+            ],
+            "required": ["city"]
+        }
     }
+}
+
+Return function calls in JSON format."""
 
 
-def test_tools_are_offered_in_llama_3_1_s_prompt(client, reference):
-    tools, definition = tools_request()
+@pytest.fixture(scope="module")
+def meta(tokenizer_path):
+    """llama-models' ChatFormat and types: Meta's own prompt writer, on the same tokenizer.model."""
+    import_or_skip("llama_models", "pip install -e '.[test]'")
+    from llama_models import datatypes
+    from llama_models.llama3.chat_format import ChatFormat as MetaChatFormat
+    from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer
+
+    return MetaChatFormat(MetaTokenizer(Path(tokenizer_path))), datatypes
+
+
+def meta_prompt(meta, *messages) -> List[int]:
+    """The tokens llama-models writes for a dialog of `RawMessage`s, with the assistant's header after it."""
+    chat, types = meta
+    return chat.encode_dialog_prompt(list(messages), types.ToolPromptFormat.json).tokens
+
+
+def assert_prompt_was(server, answer, reference, prompt: List[int], **tokenized) -> None:
+    """The server wrote `prompt` for a chat request: /tokenize gives these tokens for its body (`tokenized`), and
+    the greedy `answer` the request got has the tokens and logprobs `Llama.generate` gives after them (another
+    prompt, even of the same length, gives other logprobs)."""
+    assert post(server, "/tokenize", tokenized).json()["tokens"] == prompt
+    tokens, logprobs = reference.generate([prompt], answer.usage.completion_tokens, temperature=0, logprobs=True)
+    entries = answer.choices[0].logprobs.content
+    assert [entry.token for entry in entries] == [reference.tokenizer.decode([token]) for token in tokens[0]]
+    assert [entry.logprob for entry in entries] == pytest.approx(logprobs[0], abs=1e-4)
+    assert answer.usage.prompt_tokens == len(prompt)
+
+
+def test_tools_are_offered_in_llama_3_1_s_prompt(server, client, reference, meta):
+    """The request's system message becomes the instruction of Llama 3.1's tools system prompt (today's date in
+    it), and its tools the JSON tools prompt, in a user message before the question. Content is stripped, as the
+    library's ChatFormat strips it (Meta's Llama 3 reference), so no newline ends the system message."""
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
-    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=5)
-    expected = tool_messages([definition], instruction="Be brief.") + messages[1:]
-    assert answer.usage.prompt_tokens == len(chat_prompt(reference, expected))
+    today = date.today()
+    answer = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=5, temperature=0, logprobs=True
+    )
+    assert date.today() == today, "the day changed during the request: run the test again"
+    system = f"Environment: ipython\n\nCutting Knowledge Date: December 2023\nToday Date: {today:%d %B %Y}\n\nBe brief."
+    _, types = meta
+    prompt = meta_prompt(
+        meta,
+        types.RawMessage(role="system", content=system),
+        types.RawMessage(role="user", content=WEATHER_TOOL_PROMPT),
+        types.RawMessage(role="user", content="Weather in Paris?"),
+    )
+    assert_prompt_was(server, answer, reference, prompt, messages=messages, tools=WEATHER_TOOLS)
 
 
-def test_a_dialog_with_tool_calls_and_results_is_written_as_llama_writes_it(client, reference):
+def test_a_dialog_with_tool_calls_and_results_is_written_as_llama_writes_it(server, client, reference, meta):
+    """An assistant message's OpenAI tool call is written as Llama 3.1 writes a JSON call, and a tool's answer
+    in an ipython message."""
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 C"},
     ]
-    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
-    ours = [
-        messages[0],
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"tool_name": "get_weather", "arguments": {"city": "Paris"}}],
-        },
-        {"role": "tool", "content": "Sunny, 21 C"},
-    ]
-    assert answer.usage.prompt_tokens == len(chat_prompt(reference, ours))
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0, logprobs=True)
+    _, types = meta
+    weather = types.ToolCall(call_id="c1", tool_name="get_weather", arguments={"city": "Paris"})
+    prompt = meta_prompt(
+        meta,
+        types.RawMessage(role="user", content="Weather in Paris?"),
+        types.RawMessage(role="assistant", content="", tool_calls=[weather]),
+        types.RawMessage(role="tool", content="Sunny, 21 C"),
+    )
+    assert_prompt_was(server, answer, reference, prompt, messages=messages)
 
 
 class Pet(pydantic.BaseModel):

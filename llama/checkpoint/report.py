@@ -38,7 +38,7 @@ class LoadReport:
         else:
             quantized = f"{self.quantization} ({'stored' if self.stored_quantized else 'quantized at load'})"
         dtype = str(self.dtype).removeprefix("torch.")
-        kernels = f"\nKernels, by rows per product: {self.kernels}" if self.kernels else ""
+        kernels = f"\nKernels, by rows per call: {self.kernels}" if self.kernels else ""
         return (
             f"Loaded in {self.seconds:.2f} seconds: {layout} checkpoint, device {self.device}, dtype {dtype}, "
             f"{quantized}, model-parallel size {self.model_parallel_size}{f'; {self.note}' if self.note else ''}"
