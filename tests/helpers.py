@@ -331,3 +331,16 @@ def wait_for_exit(pid, fd, timeout) -> Tuple[int, bytes]:
                 output += os.read(fd, 4096)
             except OSError:
                 pass
+
+
+def as_if_the_cpu_offered(monkeypatch, offers) -> None:
+    """For the calling test, every module of `llama` that asks what the CPU offers (`kernel_table.cpu_offers`, read
+    once per process) is told `offers` (a `kernel_table.CPUOffers`): the kernel table chooses as on that CPU."""
+    import sys
+
+    from llama.runtime import kernel_table
+
+    real = kernel_table.cpu_offers
+    for name, module in list(sys.modules.items()):
+        if (name == "llama" or name.startswith("llama.")) and getattr(module, "cpu_offers", None) is real:
+            monkeypatch.setattr(module, "cpu_offers", lambda: offers)

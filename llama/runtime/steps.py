@@ -154,8 +154,9 @@ def use_table_kernels(model: nn.Module) -> None:
         default = layer.default_kernel()
         layer.kernels = tuple(kernel if layer.runs(kernel) else default for kernel in wanted or layer.kernels)
     copy_bytes = sum(layer.copy_bytes() for layer in layers)
-    available = free_memory(layers[0].weight.device) if copy_bytes else None
-    if copy_bytes and available is not None and 2 * copy_bytes > available:
+    # Memory that cannot be measured holds no copies (`llama.distributed.available_memory`).
+    available = (free_memory(layers[0].weight.device) or 0) if copy_bytes else 0
+    if copy_bytes and 2 * copy_bytes > available:
         logger.warning(
             "No copies of the weights for the CPU's kernels: they would take %.1f GB, more than half the %.1f GB "
             "available; those layers run PyTorch's own kernels",
