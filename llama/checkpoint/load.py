@@ -33,11 +33,11 @@ from llama.distributed import (
     free_memory,
     global_rank,
     init_model_parallel,
-    release_freed_memory,
     resolve_device,
     resolve_dtype,
 )
 from llama.model import ModelArgs, Transformer
+from llama.os_memory import release_freed_memory
 from llama.quantize import check_device, check_scheme, whole_shape
 from llama.runtime.cuda_graphs import decode_step_bytes
 from llama.runtime.quantized import quantize_layer

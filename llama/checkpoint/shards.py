@@ -10,8 +10,8 @@ from typing import Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
 
-from llama.distributed import forget_file_pages
 from llama.model import ModelArgs
+from llama.os_memory import forget_file_pages
 
 # fairscale's layout: column-parallel layers (and the vocab-parallel embedding) split their weight along
 # dim 0, row-parallel layers along dim 1; everything else (the norms) is replicated on every rank.
