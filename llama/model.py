@@ -147,16 +147,24 @@ class KVCache(nn.Module):
         self.register_buffer("cache_k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("cache_v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
-    def update(self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, start_pos: int, xk: torch.Tensor, xv: torch.Tensor, first_row: int = 0
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Store the keys and values of positions [start_pos, start_pos + seqlen); return those of every position
-        up to the last one stored, the ones the new positions attend to."""
+        up to the last one stored, the ones the new positions attend to. The batch's sequences are the cache's rows
+        from `first_row` on (the first rows, as in Meta's code, unless a server keeps each request in a row of its
+        own)."""
         bsz, seqlen = xk.shape[:2]
-        if (self.cache_k.device, self.cache_k.dtype) != (xk.device, xk.dtype):  # follow the activations
-            self.cache_k, self.cache_v = self.cache_k.to(xk), self.cache_v.to(xv)
-        end = start_pos + seqlen
-        self.cache_k[:bsz, start_pos:end] = xk
-        self.cache_v[:bsz, start_pos:end] = xv
-        return self.cache_k[:bsz, :end], self.cache_v[:bsz, :end]
+        self.follow(xk)
+        rows, end = slice(first_row, first_row + bsz), start_pos + seqlen
+        self.cache_k[rows, start_pos:end] = xk
+        self.cache_v[rows, start_pos:end] = xv
+        return self.cache_k[rows, :end], self.cache_v[rows, :end]
+
+    def follow(self, xk: torch.Tensor) -> None:
+        """Move the cache to the activations' device and dtype where it is elsewhere."""
+        if (self.cache_k.device, self.cache_k.dtype) != (xk.device, xk.dtype):
+            self.cache_k, self.cache_v = self.cache_k.to(xk), self.cache_v.to(xk)
 
 
 class Attention(nn.Module):

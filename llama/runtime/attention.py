@@ -4,7 +4,7 @@
 - the decode step's cache write: a position given as a tensor, attention over the cache's first positions (as many
   as the mask has) with those not yet written masked out (`write_at_positions`), so that one compiled graph serves
   every step;
-- per-row positions and rows of the cache, for the engine's requests (`write_rows`);
+- per-row positions, and rows of the cache for the engine's requests (`KVCache.update`'s `first_row`);
 - a kernel of its own for one new position's attention where the CPU has a faster one (`one_position_attention`).
 """
 
@@ -20,25 +20,6 @@ from llama.model import Attention, KVCache, apply_rotary_emb
 AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def follow_activations(cache: KVCache, xk: torch.Tensor) -> None:
-    """Move the cache to the activations' device and dtype where it is elsewhere, as `KVCache.update` does."""
-    if (cache.cache_k.device, cache.cache_k.dtype) != (xk.device, xk.dtype):
-        cache.cache_k, cache.cache_v = cache.cache_k.to(xk), cache.cache_v.to(xk)
-
-
-def write_rows(
-    cache: KVCache, start_pos: int, first_row: int, xk: torch.Tensor, xv: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`KVCache.update` for a batch held in the cache's rows from `first_row` on (the engine runs each request in a
-    row of its own): positions [start_pos, start_pos + seqlen) written, the cache up to them returned."""
-    bsz, seqlen = xk.shape[:2]
-    follow_activations(cache, xk)
-    rows, end = slice(first_row, first_row + bsz), start_pos + seqlen
-    cache.cache_k[rows, start_pos:end] = xk
-    cache.cache_v[rows, start_pos:end] = xv
-    return cache.cache_k[rows, :end], cache.cache_v[rows, :end]
-
-
 def write_at_positions(
     cache: KVCache, positions: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, attended: int
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +27,7 @@ def write_at_positions(
     started at different times). Returns the cache of the batch's rows up to `attended` positions, unwritten ones
     among them: the caller's mask hides what lies past each row's position."""
     bsz = xk.shape[0]
-    follow_activations(cache, xk)
+    cache.follow(xk)
     if len(positions) == 1:
         cache.cache_k[:bsz].index_copy_(1, positions, xk)
         cache.cache_v[:bsz].index_copy_(1, positions, xv)
@@ -86,7 +67,7 @@ class RuntimeAttention(nn.Module):
         first_row: int = 0,
     ) -> torch.Tensor:
         """`Attention.forward`, where `start_pos` may also be a tensor of positions (`write_at_positions`) and the
-        batch may sit in the cache's rows from `first_row` on (`write_rows`)."""
+        batch may sit in the cache's rows from `first_row` on (`KVCache.update`)."""
         bsz, seqlen, _ = x.shape
         xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
         xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
@@ -99,7 +80,7 @@ class RuntimeAttention(nn.Module):
             keys, values = write_at_positions(self.kv_cache, start_pos, xk, xv, mask.shape[-1])
         else:
             xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
-            keys, values = write_rows(self.kv_cache, start_pos, first_row, xk, xv)
+            keys, values = self.kv_cache.update(start_pos, xk, xv, first_row)
         output = self.attend(xq.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask)
         return self.wo(output.transpose(1, 2).contiguous().view(bsz, seqlen, -1))
 
