@@ -47,13 +47,14 @@ class RuntimeBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class RuntimeTransformer(nn.Module):
+class RuntimeTransformer(Transformer):
     """A loaded `Transformer`'s modules, run as decoding needs them (see the module). `llama.runtime.for_runtime`
     builds it; `one_position_attention` is a faster kernel for one new position's attention, where the device has
-    one."""
+    one. It is a `Transformer` (the RoPE table and the caches are made as the reference makes them) whose blocks are
+    `RuntimeBlock`s, built from a loaded model's modules rather than from `ModelArgs`."""
 
     def __init__(self, model: Transformer, one_position_attention: Optional[AttentionKernel] = None):
-        super().__init__()
+        nn.Module.__init__(self)  # not Transformer's: the modules are the loaded model's own
         self.params, self.vocab_size, self.n_layers = model.params, model.vocab_size, model.n_layers
         self.tok_embeddings = model.tok_embeddings
         self.layers = nn.ModuleList(RuntimeBlock(block, one_position_attention) for block in model.layers)
@@ -63,13 +64,9 @@ class RuntimeTransformer(nn.Module):
         self.cached = CachedTokens(self.params.max_batch_size)
         self.kernels_in_use: Optional[str] = None  # the kernels its layers run on, once `for_runtime` has chosen them
 
-    # The RoPE table is made as the reference makes it.
-    rope_table = Transformer.rope_table
-    rope_at = Transformer.rope_at
-
     def init_kv_caches(self, device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None):
         """`Transformer.init_kv_caches`: zeroed caches, which hold no tokens."""
-        Transformer.init_kv_caches(self, device, dtype)
+        super().init_kv_caches(device, dtype)
         self.cached.forget()
 
     def copy_cached(self, source: int, target: int, start: int, end: int) -> None:
