@@ -100,6 +100,7 @@ def test_cuda_decodes_the_tokens_of_the_cpu(tiny_checkpoint, tokenizer_path, pro
     assert_same_completions(completions["cuda"], completions["cpu"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "device", ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 )
@@ -194,6 +195,7 @@ def test_compiled_int8_step_of_one_sequence_on_the_cpu_multiplies_weights_frozen
     assert (frozen[:, 1:] - one_row[:, 1:]).abs().max() < ATOL  # [:, 0] comes from forward, on the edited weight
 
 
+@pytest.mark.slow
 def test_two_int8_models_of_one_shape_compiled_one_after_the_other_each_decode_on_their_own_weights(
     process_group, tmp_path
 ):
@@ -212,6 +214,7 @@ def test_two_int8_models_of_one_shape_compiled_one_after_the_other_each_decode_o
         assert (compiled - expected).abs().max() < ATOL, f"the model of seed {seed}"
 
 
+@pytest.mark.slow
 def test_the_frozen_int8_step_compiles_once_whatever_mode_its_caller_made_the_position_in(process_group, tmp_path):
     """A position made in inference mode (as `generate` makes it) and one made outside it (a caller of its own) run
     the same graph: a second would hold a second copy of the weights."""

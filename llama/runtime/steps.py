@@ -154,7 +154,7 @@ def use_table_kernels(model: nn.Module) -> None:
         default = layer.default_kernel()
         layer.kernels = tuple(kernel if layer.runs(kernel) else default for kernel in wanted or layer.kernels)
     copy_bytes = sum(layer.copy_bytes() for layer in layers)
-    # Memory that cannot be measured holds no copies (`llama.distributed.available_memory`).
+    # Memory that cannot be measured holds no copies (`llama.os_memory.available_memory`).
     available = (free_memory(layers[0].weight.device) or 0) if copy_bytes else 0
     if copy_bytes and 2 * copy_bytes > available:
         logger.warning(

@@ -90,8 +90,9 @@ def fbgemm_integer_kernel() -> bool:
     """Whether this torch build reaches fbgemm's integer product on this CPU (its quantized ops, the "x86" or
     "fbgemm" engine): the dependency of `two_part_product`."""
     try:
-        pack_int8(torch.ones(16, 8, dtype=torch.int8), torch.ones(16))
-    except (AttributeError, RuntimeError):  # no quantized ops in this build, or no fbgemm on this CPU
+        (packed,) = pack_int8(torch.ones(16, 8, dtype=torch.int8), torch.ones(16))
+        integer_sums(torch.ones(1, 8), packed)
+    except (AttributeError, RuntimeError):  # no quantized ops in this build, no fbgemm here, or another engine's
         return False
     return True
 
