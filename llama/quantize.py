@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 SCHEMES = ("int8", "int4")  # the weight-only schemes, which quantized checkpoints store
-DEFAULT_GROUP_SIZE = 32  # the most accurate; no slower than larger groups (docs/quantize-kernels.md)
+DEFAULT_GROUP_SIZE = 32  # the most accurate; no slower than larger groups (docs/quantize.md, "Kernels")
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what the int4 kernels accept
 INT4_ROWS = 16  # the CPU int4 kernel takes weights of a multiple of this many rows (CUDA: 8)
 # Weights are quantized (and int4 converted to the kernel's layout) a block of whole rows at a time, about this

@@ -247,7 +247,7 @@ def mapped_bytes(path) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
-@pytest.mark.parametrize("scheme", ["int8", "int4-dyn"])
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("layout", ["meta", "hf"])
 def test_a_quantized_load_lets_go_of_the_checkpoint_pages_it_quantized(
     process_group, tmp_path, monkeypatch, layout, scheme

@@ -3,12 +3,12 @@ parts of 7-bit integers, both multiplied by the weight in one call of fbgemm's i
 and added.
 
 PyTorch's weight-only int8 kernel multiplies in floating point and is bound by that arithmetic on one row (half the
-memory's speed or less, docs/quantize-kernels.md). fbgemm multiplies 8-bit activations by 8-bit weights in integers at
-memory speed, but rounds each call's activations to 8 bits, far from the weight-only accuracy. Here the activations
-are instead written exactly enough as two integer rows: a coarse part, each value rounded to a 63rd of its row's
-largest magnitude, and a fine part, what the coarse one leaves rounded to a 126th of that step. What is lost is at
-most 1/15,876 of the row's largest magnitude, against bfloat16's own rounding of each value by up to 1/512 of it.
-Two rows cost one row's time where reading the weight is what takes the time.
+memory's speed or less: docs/speed.md, "The kernel table"). fbgemm multiplies 8-bit activations by 8-bit weights in
+integers at memory speed, but rounds each call's activations to 8 bits, far from the weight-only accuracy. Here the
+activations are instead written exactly enough as two integer rows: a coarse part, each value rounded to a 63rd of
+its row's largest magnitude, and a fine part, what the coarse one leaves rounded to a 126th of that step. What is
+lost is at most 1/15,876 of the row's largest magnitude, against bfloat16's own rounding of each value by up to 1/512
+of it. Two rows cost one row's time where reading the weight is what takes the time.
 
 Run for 16-bit activations only (`Int8Linear.runs`). Seven bits, not eight: fbgemm's AVX2 kernels add pairs
 of products in 16 bits, exact only for activations below 128. Integer sums are exact, so the result does not depend

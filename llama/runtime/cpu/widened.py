@@ -1,7 +1,7 @@
 """The CPU's products of a quantized weight for a prompt's rows: the weight widened to floating point a block of
 output rows at a time (`chunk_rows`), each block multiplied by the CPU's matrix kernels (oneDNN's in bfloat16, MKL's
 in float32). PyTorch's int8 and int4 kernels for the CPU are made for a few rows; on many rows these are faster, and
-no second copy of the weight is held (docs/quantize-kernels.md has the figures).
+no second copy of the weight is held (docs/speed.md, "The kernel table", has the figures).
 
 Each block is widened into a buffer of this thread's (`scratch`), reused by every block and every call: memory
 mapped afresh at each call is faulted in page by page, which cost a small weight's product at 64 rows half again
@@ -98,7 +98,7 @@ def widened_int4_in_blocks(
     The block is unpacked outputs by inputs, as `F.linear` takes a weight: the layout holds it inputs by outputs, so
     its bytes are transposed first (a byte a pair of values, the cheapest place to do it). Laid out so, each core
     writes the outputs it then multiplies; laid inputs by outputs, the product of a freshly dequantized block read
-    the other core's writes and sometimes took twice as long (docs/quantize-kernels.md)."""
+    the other core's writes and sometimes took twice as long (docs/speed.md, "The figures behind constants")."""
     dtype = dtype or x.dtype
     block_rows = cpu_int4_block_rows()
     half = block_rows // 2
