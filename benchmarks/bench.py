@@ -18,8 +18,10 @@ and grouped-query attention) and measures, each in a fresh process, on the same 
   llama-cpp-python gguf`, a build of a few minutes; skipped with a notice otherwise), on a GGUF file of the same
   weights written by `llama convert to-gguf` and quantized by llama.cpp's own quantizer. Its model is loaded with
   `use_extra_bufts = False`: its repacked (AMX) buffers crash quantized files at the first decode on some CPUs.
-The dtypes int8, int4, int8-dyn and int4-dyn are llama with `quantize=` (bfloat16 activations), set beside our own
-bfloat16 and llama.cpp's Q8_0 and Q4_0 files; transformers has no quantized CPU row.
+The dtypes int8 and int4 are llama with `quantize=` (bfloat16 activations), set beside our own bfloat16 and
+llama.cpp's Q8_0 and Q4_0 files; transformers has no quantized CPU row. llama runs each product on the kernel the
+kernel table (`llama.runtime.kernel_table`) gives its weights and row count on this device: each row of results
+says how many layers run each kernel in each row class, and the machine line what the CPU offers the table.
 Measured: load time (next to the time to read the checkpoint's bytes), prefill tokens/s for prompts of 64 and
 512 tokens, decode tokens/s at batch 1 and 8 (greedy, no stop tokens, prefill time subtracted; with --compile,
 llama decodes through its compiled step), peak memory (max RSS on CPU, max allocated on CUDA).
@@ -44,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 SHAPES = {
     # Head dim 64 below 2048, four query heads per kv head as in Llama 3 8B and 70B.
@@ -63,22 +66,24 @@ SHAPES = {
 }  # fmt: skip
 GRID = ["d256", "d512", "d1024", "1b"]
 QUICK = ["d256", "d512"]
-QUANTIZED = ("int8", "int4", "int8-dyn", "int4-dyn")  # --dtypes that mean llama with quantize=, on bfloat16 activations
+QUANTIZED = ("int8", "int4")  # --dtypes that mean llama with quantize=, on bfloat16 activations
 # llama.cpp's type of the same bits, beside each of our dtypes
-LLAMA_CPP_PEER = {
-    "float32": "F16",
-    "bfloat16": "F16",
-    "int8": "Q8_0",
-    "int4": "Q4_0",
-    "int8-dyn": "Q8_0",
-    "int4-dyn": "Q4_0",
-}
+LLAMA_CPP_PEER = {"float32": "F16", "bfloat16": "F16", "int8": "Q8_0", "int4": "Q4_0"}
 DECODE_STEPS = {"d256": 32, "d512": 32, "d1024": 24, "1b": 12, "8b": 64}
 PREFILL_LENS = (64, 512)
 LLAMA_CPP_TYPES = ("F16", "Q8_0", "Q4_0")
 DECODE_PROMPT = [128000] + list(range(1000, 1015))  # <|begin_of_text|> and 15 ordinary tokens
 REPEATS = 3
 ROOFLINE_PAIRS = 5  # batch-1 decode runs, each with its own bandwidth read
+# Environment variables that cap the instructions torch's kernel libraries use (ATen, oneDNN under either name,
+# fbgemm, MKL): with them set to AVX2 an AVX-512 CPU runs the kernels an AVX2 CPU runs.
+INSTRUCTION_CAPS = (
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "FBGEMM_ENABLE_INSTRUCTIONS",
+    "MKL_ENABLE_INSTRUCTIONS",
+)
 
 
 def log(message: str) -> None:
@@ -153,7 +158,7 @@ def measure_decode(generate, steps: int, device: str) -> dict:
     bandwidth read right after it. `generate(bsz, n)` decodes n new tokens for each of bsz equal prompts; its
     first token, which comes from the prompt's forward, is subtracted. Peak memory is taken before the first
     bandwidth read, whose 1 GiB would count in it. Each batch size first decodes a few tokens untimed: a compiled
-    step compiles, runs once and is recorded as a CUDA graph then, and the packed weights are made."""
+    step compiles, runs once and is recorded as a CUDA graph then."""
     for bsz in (8, 1):
         generate(bsz, 4)
 
@@ -198,27 +203,33 @@ def peak_memory_mb(device: str) -> float:
 
 def decode_step_bytes(model) -> int:
     """Bytes one batch-1 decode step reads: every weight once, except the embedding table (one row is read),
-    unless it doubles as the output head; a weight that runs on a float16 copy (`llama.runtime.cpu.CPULinear`), 2 bytes
-    each."""
-    from llama.runtime.cpu import layers_of, product_owners
-    from llama.runtime.onnx_dyn import DynLinear
-    from llama.runtime.stacked import StackedInt8
+    unless it doubles as the output head. A layer whose one-row kernel runs on a copy of its weight
+    (`KernelLinear.copy_bytes`: a float16 copy, oneDNN's layout, fbgemm's int8) counts the copy in place of the
+    weight; an int4 layer on CUDA counts only the values its one-row kernel reads."""
+    from llama.runtime.cpu.layers import CPULinear
+    from llama.runtime.parallel_layers import KernelLinear
+    from llama.runtime.quantized import Int4Linear, Int8Linear
 
-    on_copies = set()
-    for owner in product_owners(model):  # `packed` maps a kernel to (versions, copy), None where fp16 cannot hold it
-        layers = layers_of(owner)
-        if layers[0].kernel_for(1) == "fp16" and owner.packed.get("fp16", (None, None))[1] is not None:
-            on_copies.update(id(layer.weight) for layer in layers)
+    replaced, unread = {}, set()  # id(tensor) -> the bytes read in its place; ids of tensors the step does not read
+    for layer in model.modules():
+        if not isinstance(layer, KernelLinear):
+            continue
+        kernel = layer.kernels[0]  # the kernel of one row
+        on_copy = (isinstance(layer, CPULinear) and layer.copy is not None and layer.copy[0] == kernel) or (
+            isinstance(layer, Int8Linear) and kernel == "fbgemm_int8"
+        )
+        if on_copy:
+            replaced[id(layer.weight)] = layer.copy_bytes()
+        if isinstance(layer, Int4Linear) and hasattr(layer, "nibbles"):  # "dequantized" reads the values as stored
+            kept = (layer.nibbles, layer.group_scales, layer.group_zeros)
+            dropped = (layer.weight, layer.scales_and_zeros) if kernel == "dequantized" else kept
+            unread.update(id(t) for t in dropped)
     weights = {}  # a tied head and the embedding are one parameter
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]  # quantized: buffers
-    # A stack of int8 layers holds their values, which its layers view: counted once, as the layers' buffers.
-    stacks = {id(t) for m in model.modules() if isinstance(m, StackedInt8) for t in m.buffers()}
     for name, p in tensors:
-        if name != "tok_embeddings.weight" and "kv_cache" not in name and id(p) not in stacks:
-            weights[id(p)] = p.numel() * (2 if id(p) in on_copies else p.element_size())
-    # An int8-dyn or int4-dyn layer's values live in its ONNX Runtime session: counted as they were made.
-    held_elsewhere = [m.values_bytes() for m in model.modules() if isinstance(m, DynLinear) and m.weight is None]
-    return sum(weights.values()) + sum(held_elsewhere)
+        if name != "tok_embeddings.weight" and "kv_cache" not in name and id(p) not in unread:
+            weights[id(p)] = replaced.get(id(p), p.numel() * p.element_size())
+    return sum(weights.values())
 
 
 def reference_attention_forward(self, x, start_pos, freqs_cis, mask, first_row=0):
@@ -493,12 +504,8 @@ def main() -> None:
         return
 
     shapes = opts.shapes or (QUICK if opts.quick else GRID)
-    from llama.runtime.cpu import cpu_flags, cpu_name, instruction_caps
-
-    machine = f"CPU: {cpu_name()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags())}; {opts.threads} threads"
-    if instruction_caps():
-        machine += f"; instructions capped by {' '.join(instruction_caps())}"
-    log(machine)
+    machine_line = machine(opts.threads)
+    log(machine_line)
     opts.prefill_lens = opts.prefill_lens or ((64,) if opts.quick else PREFILL_LENS)
     with_llama_cpp = opts.device == "cpu" and not opts.no_llama_cpp and llama_cpp_importable()
     tokenizer_path = opts.tokenizer_path or default_tokenizer()
@@ -510,7 +517,7 @@ def main() -> None:
     print_table(rows, opts.prefill_lens)
     if len(rounds) > 1:
         print_rounds(rounds)
-    print(machine)
+    print(machine_line)
     if not with_llama_cpp:
         print("llama.cpp left out: `CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python gguf` adds it (CPU only)")
     if opts.json:
@@ -590,6 +597,44 @@ def print_rounds(rounds: list) -> None:
         print(f"{row['shape']:6} {row['dtype']:9} decode b1 tok/s, each round: {'; '.join(cells)}")
 
 
+def cpuinfo_fields() -> dict:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return {}
+    return dict((k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in text.splitlines()))
+
+
+def cpu_name() -> str:
+    """The CPU's model name, with its family and model numbers where Linux gives them (a virtual machine may name
+    only the vendor's line, "AMD EPYC")."""
+    import platform
+
+    fields = cpuinfo_fields()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    numbers = [f"{key} {fields[key]}" for key in ("cpu family", "model") if key in fields]
+    return f"{name} ({', '.join(numbers)})" if numbers else name
+
+
+def instruction_caps() -> list:
+    """The caps of `INSTRUCTION_CAPS` set here, as NAME=value."""
+    return [f"{name}={os.environ[name]}" for name in INSTRUCTION_CAPS if os.environ.get(name)]
+
+
+def machine(threads: Optional[int] = None) -> str:
+    """One line on the machine: the CPU's name, its cores, what it offers the kernel table
+    (`llama.runtime.kernel_table.cpu_offers`), the threads used (where given) and the instruction caps set."""
+    from llama.runtime.kernel_table import cpu_offers
+
+    line = f"CPU: {cpu_name()}, {os.cpu_count()} cores, {cpu_offers()}"
+    if threads is not None:
+        line += f"; {threads} threads"
+    if instruction_caps():
+        line += f"; instructions capped by {' '.join(instruction_caps())}"
+    return line
+
+
 def llama_cpp_importable() -> bool:
     import importlib.util
 
@@ -651,7 +696,7 @@ def print_table(rows, prefill_lens) -> None:
                 f"reference algorithm {reference}"
             )
         print(f"{summary}; load {ours['load_s'] / row['read_s']:.2f}x the read time")
-        if ours.get("kernels"):  # products per kernel, for each row count the kernels were chosen for
+        if ours.get("kernels"):  # layers per kernel, in each row class of the kernel table
             print(f"{row['shape']:6} {row['dtype']:9} kernels: {ours['kernels']}")
         if "compiled_graphs" in ours:
             print(

