@@ -35,6 +35,12 @@ median over the rounds, and then each round's batch-1 decode, our speed against 
 dtype, against our bfloat16 of the same round, so that a ratio comes with its spread:
 
     python benchmarks/bench.py --shapes 1b --dtypes bfloat16 int8 int4 --rounds 3
+
+With --baseline DIR (a checkout of another commit, e.g. `git worktree add DIR HEAD~5`), each round measures this
+checkout's llama and DIR's (its own bench.py worker on its own package), alternating which goes first, and nothing
+else; the table gives each figure's median and range over the rounds and the median ratio:
+
+    python benchmarks/bench.py --shapes 1b --dtypes float32 bfloat16 int8 int4 --rounds 3 --baseline /tmp/before
 """
 
 import argparse
@@ -464,12 +470,17 @@ def worker_llama_cpp(args) -> dict:
 
 
 def run_worker(library: str, checkpoint: Path, shape: str, dtype: str, opts) -> dict:
+    """`library`'s worker in a fresh process; "baseline" is the llama worker of the `--baseline` checkout, on its own
+    package."""
+    script, env = Path(__file__), dict(os.environ, OMP_NUM_THREADS=str(opts.threads))
+    if library == "baseline":
+        script, library = opts.baseline / "benchmarks" / "bench.py", "llama"
+        env["PYTHONPATH"] = os.pathsep.join([str(opts.baseline), env.get("PYTHONPATH", "")])
     command = [
-        sys.executable, __file__, "--worker", library, "--checkpoint", str(checkpoint), "--dtype", dtype,
+        sys.executable, str(script), "--worker", library, "--checkpoint", str(checkpoint), "--dtype", dtype,
         "--device", opts.device, "--threads", str(opts.threads), "--decode_steps", str(DECODE_STEPS[shape]),
         "--prefill_lens", *map(str, opts.prefill_lens),
     ] + (["--compile"] if opts.compile else []) + (["--no_cuda_graphs"] if opts.no_cuda_graphs else [])  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads))
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{library} worker failed:\n{done.stderr[-3000:]}")
@@ -490,6 +501,11 @@ def main() -> None:
     parser.add_argument("--no_cuda_graphs", action="store_true", help="llama decodes eagerly on CUDA (no graphs)")
     parser.add_argument("--no_llama_cpp", action="store_true", help="leave llama.cpp out even where installed")
     parser.add_argument("--rounds", type=int, default=1, help="measure everything this many times, interleaved")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="a checkout of another commit: its llama against this one's, in the same rounds (no other library)",
+    )
     # Internal: one measurement in a fresh process.
     parser.add_argument("--worker", choices=["llama", "transformers", "llama.cpp"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
@@ -514,8 +530,11 @@ def main() -> None:
         raise ValueError(f"--rounds must be at least 1, not {opts.rounds}")
     rounds = [measure_round(shapes, opts, tokenizer_path, with_llama_cpp, r) for r in range(opts.rounds)]
     rows = medians_of(rounds)
-    print_table(rows, opts.prefill_lens)
-    if len(rounds) > 1:
+    if opts.baseline:
+        print_against_baseline(rounds, opts.prefill_lens)
+    else:
+        print_table(rows, opts.prefill_lens)
+    if len(rounds) > 1 and not opts.baseline:
         print_rounds(rounds)
     print(machine_line)
     if not with_llama_cpp:
@@ -536,7 +555,11 @@ def measure_round(shapes, opts, tokenizer_path: str, with_llama_cpp: bool, round
         cpp = {}
         for dtype in opts.dtypes:
             results = {}
-            for library in ("llama",) if dtype in QUANTIZED else ("llama", "transformers"):
+            if opts.baseline:  # this checkout and the baseline's, alternating first from round to round
+                libraries = ("llama", "baseline") if round_index % 2 == 0 else ("baseline", "llama")
+            else:
+                libraries = ("llama",) if dtype in QUANTIZED else ("llama", "transformers")
+            for library in libraries:
                 log(f"{tag}{shape} {dtype}: {library} ...")
                 folder = meta if library == "llama" else hf_checkpoint(meta)
                 results[library] = run_worker(library, folder, shape, dtype, opts)
@@ -544,11 +567,12 @@ def measure_round(shapes, opts, tokenizer_path: str, with_llama_cpp: bool, round
                 log(
                     f"{tag}{shape} {dtype}: {library}: {json.dumps(results[library])}; b1 roofline reached: {share:.0%}"
                 )
-            for kind in LLAMA_CPP_TYPES if with_llama_cpp and not cpp else ():  # once per shape: its own types
+            for kind in LLAMA_CPP_TYPES if with_llama_cpp and not cpp and not opts.baseline else ():  # once a shape
                 log(f"{tag}{shape}: llama.cpp {kind} ...")
                 cpp[kind] = run_worker("llama.cpp", gguf_file(meta, kind), shape, "-", opts)
                 log(f"{tag}{shape}: llama.cpp {kind}: {json.dumps(cpp[kind])}")
-            rows.append(dict(shape=shape, dtype=dtype, read_s=read_s, llama_cpp=cpp, **{"transformers": {}, **results}))
+            empty = {"transformers": {}, "baseline": {}}
+            rows.append(dict(shape=shape, dtype=dtype, read_s=read_s, llama_cpp=cpp, **{**empty, **results}))
     return rows
 
 
@@ -595,6 +619,23 @@ def print_rounds(rounds: list) -> None:
                 leads.append(f"{ours / bf16[0]['decode_b1_tok_s']:.2f}x bfloat16")
             cells.append(f"{ours:.1f}" + (f" ({', '.join(leads)})" if leads else ""))
         print(f"{row['shape']:6} {row['dtype']:9} decode b1 tok/s, each round: {'; '.join(cells)}")
+
+
+def print_against_baseline(rounds: list, prefill_lens) -> None:
+    """`--baseline`'s table: each figure of this checkout and the baseline's, medians over the rounds with their range,
+    and this one's over the baseline's: the median of the rounds' ratios, with their range."""
+    figures = ["load_s", *(f"prefill{n}_tok_s" for n in prefill_lens), "decode_b1_tok_s", "decode_b8_tok_s"]
+    print(f"\nthis checkout against the baseline, {len(rounds)} rounds: median (range); ratio: median of the rounds'")
+    for index, row in enumerate(rounds[0]):
+        for figure in figures:
+            ours = [rows[index]["llama"][figure] for rows in rounds]
+            theirs = [rows[index]["baseline"][figure] for rows in rounds]
+            ratios = [a / b for a, b in zip(ours, theirs)]
+            print(
+                f"{row['shape']:6} {row['dtype']:9} {figure:18} {statistics.median(ours):9.2f} ({min(ours):.2f}-"
+                f"{max(ours):.2f})  baseline {statistics.median(theirs):9.2f} ({min(theirs):.2f}-{max(theirs):.2f})"
+                f"  {statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})"
+            )
 
 
 def cpuinfo_fields() -> dict:
