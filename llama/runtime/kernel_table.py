@@ -70,9 +70,7 @@ class CPUOffers:
         """The table's name for this CPU, or None where the table does not know it."""
         if self.capability == "AVX512" and self.onednn_bf16:
             return AVX512_BF16
-        if self.capability in ("AVX2", "AVX512"):
-            return AVX2 if self.capability == "AVX2" else None
-        return None
+        return AVX2 if self.capability == "AVX2" else None
 
     def __str__(self) -> str:
         return f"{self.kind or 'a CPU the kernel table does not know'} ({self.capability}; {' '.join(self.flags)})"
@@ -85,11 +83,11 @@ def cpu_offers() -> CPUOffers:
     onednn_bf16 = torch.backends.mkldnn.is_available() and check is not None and check()
     wanted = ("amx_bf16", "avx512_bf16", "avx512_vnni", "avx_vnni")
     return CPUOffers(
-        torch.backends.cpu.get_cpu_capability(), bool(onednn_bf16), tuple(f for f in wanted if f in flags())
+        torch.backends.cpu.get_cpu_capability(), bool(onednn_bf16), tuple(f for f in wanted if f in cpu_flags())
     )
 
 
-def flags() -> Tuple[str, ...]:
+def cpu_flags() -> Tuple[str, ...]:
     """The first processor's flags in /proc/cpuinfo (none where there is no such file)."""
     try:
         text = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
