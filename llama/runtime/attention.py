@@ -5,6 +5,7 @@
   as the mask has) with those not yet written masked out (`write_at_positions`), so that one compiled graph serves
   every step;
 - per-row positions, and rows of the cache for the engine's requests (`KVCache.update`'s `first_row`);
+- wq, wk and wv as one product where they are stacked (`wqkv`, `llama.runtime.stacked`);
 - a kernel of its own for one new position's attention where the CPU has a faster one (`one_position_attention`).
 """
 
@@ -50,11 +51,17 @@ def apply_rotary_emb_per_row(
 class RuntimeAttention(nn.Module):
     """`Attention` of the same weights, cache and math, for every way the runtime calls it (see the module)."""
 
-    def __init__(self, attention: Attention, one_position_attention: Optional[AttentionKernel] = None):
+    def __init__(
+        self,
+        attention: Attention,
+        one_position_attention: Optional[AttentionKernel] = None,
+        stack: Optional[Callable[..., Optional[nn.Module]]] = None,
+    ):
         super().__init__()
         self.n_local_heads, self.n_local_kv_heads = attention.n_local_heads, attention.n_local_kv_heads
         self.n_rep, self.head_dim = attention.n_rep, attention.head_dim
         self.wq, self.wk, self.wv, self.wo = attention.wq, attention.wk, attention.wv, attention.wo
+        self.wqkv = stack(self.wq, self.wk, self.wv) if stack else None  # the three as one product, where stacked
         self.kv_cache = attention.kv_cache
         self.one_position_attention = one_position_attention
 
@@ -69,7 +76,7 @@ class RuntimeAttention(nn.Module):
         """`Attention.forward`, where `start_pos` may also be a tensor of positions (`write_at_positions`) and the
         batch may sit in the cache's rows from `first_row` on (`KVCache.update`)."""
         bsz, seqlen, _ = x.shape
-        xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        xq, xk, xv = self.wqkv(x) if self.wqkv is not None else (self.wq(x), self.wk(x), self.wv(x))
         xq = xq.view(bsz, seqlen, self.n_local_heads, self.head_dim)
         xk = xk.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
         xv = xv.view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)

@@ -85,10 +85,14 @@ class KernelLinear(ParallelLinear):
     own product."""
 
     KERNELS: Dict[str, Callable[..., torch.Tensor]] = {}
+    # How many of the model's layers its product stands for (the load report's counts): 0 for a layer whose product
+    # runs inside a stack of layers (`llama.runtime.stacked`), the stack's layers for the stack.
+    layer_count = 1
 
     def __init__(self, layer: nn.Module):
         super().__init__(layer)
-        self.kernels: Tuple[str, ...] = (self.default_kernel(),) * len(ROW_CLASSES)
+        # One kernel per row class, set by `llama.runtime.steps.use_table_kernels`; until then `default_kernel()`.
+        self.kernels: Optional[Tuple[str, ...]] = None
 
     def default_kernel(self) -> str:
         """PyTorch's own kernel for this product: what runs where the kernel table has no row for it."""
@@ -115,7 +119,7 @@ class KernelLinear(ParallelLinear):
     def kernel_for(self, rows: int) -> str:
         if torch.compiler.is_compiling():
             return self.compiled_kernel()
-        return self.kernels[row_class(rows)]
+        return self.default_kernel() if self.kernels is None else self.kernels[row_class(rows)]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.KERNELS[self.kernel_for(x.numel() // max(1, x.shape[-1]))](self, x)
@@ -125,10 +129,13 @@ def kernels_in_use(model: nn.Module) -> Optional[str]:
     """The kernels the `KernelLinear` layers of `model` run on in each row class, each with the number of layers
     that run it: "1 row: fp16 113; 2-16 rows: fp16 113; ...". None where there are no such layers (float layers off
     the CPU: `F.linear`)."""
-    layers = [layer for layer in model.modules() if isinstance(layer, KernelLinear)]
+    layers = [layer for layer in model.modules() if isinstance(layer, KernelLinear) and layer.layer_count]
     if not layers:
         return None
-    counts = [collections.Counter(layer.kernels[i] for layer in layers) for i in range(len(ROW_CLASSES))]
+    counts = [collections.Counter() for _ in ROW_CLASSES]
+    for layer in layers:
+        for counted, kernel in zip(counts, layer.kernels or [layer.default_kernel()] * len(ROW_CLASSES)):
+            counted[kernel] += layer.layer_count
     return "; ".join(
         f"{name}: " + ", ".join(f"{kernel} {n}" for kernel, n in counted.most_common())
         for name, counted in zip(ROW_CLASS_NAMES, counts)

@@ -141,11 +141,11 @@ class Int8Linear(QuantizedLinear):
         return self.scales.dtype
 
     def copy_bytes(self) -> int:
-        return self.weight.numel() if "fbgemm_int8" in self.kernels else 0
+        return self.weight.numel() if "fbgemm_int8" in (self.kernels or ()) else 0
 
     def make_copies(self) -> None:
         """Make fbgemm's copy of the weight if its kernels use it, and free it if not."""
-        wanted = "fbgemm_int8" in self.kernels
+        wanted = "fbgemm_int8" in (self.kernels or ())
         if not wanted:
             self.packed = None
         elif self.packed is None:
@@ -234,7 +234,7 @@ class Int4Linear(QuantizedLinear):
 
     def make_copies(self) -> None:
         """Free the quantized values' own copy where no kernel of its reads it."""
-        if hasattr(self, "nibbles") and "dequantized" not in self.kernels:
+        if hasattr(self, "nibbles") and "dequantized" not in (self.kernels or ()):
             del self.nibbles, self.group_scales, self.group_zeros
 
     def int4pack(self, x: torch.Tensor) -> torch.Tensor:

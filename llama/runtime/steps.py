@@ -19,7 +19,7 @@ from llama.runtime.compiled import AnnouncedCompiles
 from llama.runtime.cpu.kernels import one_position_attention, onednn_supported
 from llama.runtime.cpu.layers import CPULinear
 from llama.runtime.cuda_graphs import CUDAGraphDecodeStep
-from llama.runtime.kernel_table import cpu_offers, matmul_attention_from, pinned_kernel, table_kernels
+from llama.runtime.kernel_table import ROW_CLASSES, cpu_offers, matmul_attention_from, pinned_kernel, table_kernels
 from llama.runtime.parallel_layers import (
     InferenceLayer,
     KernelLinear,
@@ -28,6 +28,7 @@ from llama.runtime.parallel_layers import (
     kernels_in_use,
 )
 from llama.runtime.quantized import Int8Linear, is_quantized, quantize_layer
+from llama.runtime.stacked import stacked
 from llama.runtime.transformer import DecodeStep, RuntimeTransformer
 
 LINEAR = (ColumnParallelLinear, RowParallelLinear)
@@ -47,8 +48,9 @@ def for_runtime(
 
     1. `use_cpu_kernels`: on the CPU (`runs_on_cpu_kernels`), each fairscale linear layer becomes a `CPULinear`.
     2. `RuntimeTransformer`: the runtime modules (`llama.runtime.transformer`): the fixed-shape decode step, per-row
-       positions and cache rows for the engine, and on the CPU float32 matmuls for one new position's bfloat16
-       attention from the cache length the kernel table gives (`attention_kernel`).
+       positions and cache rows for the engine, layers of one input stacked into one product where that measured
+       faster (`llama.runtime.stacked`: int8 on the CPU), and on the CPU float32 matmuls for one new position's
+       bfloat16 attention from the cache length the kernel table gives (`attention_kernel`).
     3. `use_parallel_layers`: every fairscale layer left (all of them off the CPU) becomes `ParallelLinear` or
        `ParallelEmbedding`: the collectives called directly and skipped in one process, traceable by torch.compile.
     4. `use_table_kernels`: each `KernelLinear` (the CPU's float layers, the quantized ones) runs the kernel table's
@@ -61,7 +63,7 @@ def for_runtime(
     """
     if runs_on_cpu_kernels(model):
         use_cpu_kernels(model)
-    runtime = RuntimeTransformer(model, attention_kernel(model))
+    runtime = RuntimeTransformer(model, attention_kernel(model), stacked)
     use_parallel_layers(runtime)
     use_table_kernels(runtime)
     runtime.kernels_in_use = kernels_in_use(runtime)  # what the load report says of the choices
@@ -144,15 +146,18 @@ def use_table_kernels(model: nn.Module) -> None:
     row for it or its kernel cannot run the layer; then the copies of the weights those kernels read (float16,
     oneDNN's layout, fbgemm's int8) are made, on as many threads as torch uses (fbgemm packs on one core). Where the
     copies would take more than half the memory available, none is made, and those layers run PyTorch's kernel."""
-    layers: List[KernelLinear] = [layer for layer in model.modules() if isinstance(layer, KernelLinear)]
+    # A layer run inside a stack of layers keeps PyTorch's kernel, unused, and no copy: its stack has them.
+    layers: List[KernelLinear] = [m for m in model.modules() if isinstance(m, KernelLinear) and m.layer_count]
     known = {kernel for layer in layers for kernel in layer.KERNELS}
     pinned = pinned_kernel(known) if layers and layers[0].weight.device.type == "cpu" else None
     for layer in layers:
         wanted = table_kernels(layer.weight.device, layer.weights())
         if pinned is not None and pinned in layer.KERNELS:
-            wanted = (pinned,) * len(layer.kernels)
+            wanted = (pinned,) * len(ROW_CLASSES)
         default = layer.default_kernel()
-        layer.kernels = tuple(kernel if layer.runs(kernel) else default for kernel in wanted or layer.kernels)
+        layer.kernels = tuple(
+            kernel if layer.runs(kernel) else default for kernel in wanted or [default] * len(ROW_CLASSES)
+        )
     copy_bytes = sum(layer.copy_bytes() for layer in layers)
     # Memory that cannot be measured holds no copies (`llama.os_memory.available_memory`).
     available = (free_memory(layers[0].weight.device) or 0) if copy_bytes else 0
@@ -165,7 +170,7 @@ def use_table_kernels(model: nn.Module) -> None:
         )
         for layer in layers:
             if layer.copy_bytes():
-                layer.kernels = (layer.default_kernel(),) * len(layer.kernels)
+                layer.kernels = (layer.default_kernel(),) * len(ROW_CLASSES)
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
         list(pool.map(lambda layer: layer.make_copies(), layers))
     if layers and layers[0].weight.device.type == "cpu" and global_rank() == 0:

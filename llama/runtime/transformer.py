@@ -10,9 +10,10 @@ weights under the same state-dict keys) and adds what decoding needs beyond `Tra
 from typing import Callable, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from llama.model import Transformer, TransformerBlock, causal_mask
+from llama.model import FeedForward, Transformer, TransformerBlock, causal_mask
 from llama.runtime.attention import AttentionKernel, RuntimeAttention
 from llama.runtime.cached_tokens import CachedTokens
 
@@ -20,15 +21,35 @@ from llama.runtime.cached_tokens import CachedTokens
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# Given linear layers that always take the same input, one module that runs them as one product, returning each
+# layer's output (`llama.runtime.stacked.stacked`), or None where they run alone.
+Stack = Callable[..., Optional[nn.Module]]
+
+
+class RuntimeFeedForward(nn.Module):
+    """`FeedForward` of the same layers, with w1 and w3 run as one product where they are stacked (`w13`)."""
+
+    def __init__(self, feed_forward: FeedForward, stack: Optional[Stack]):
+        super().__init__()
+        self.w1, self.w2, self.w3 = feed_forward.w1, feed_forward.w2, feed_forward.w3
+        self.w13 = stack(self.w1, self.w3) if stack else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x) if self.w13 is not None else (self.w1(x), self.w3(x))
+        return self.w2(F.silu(gate) * up)
+
+
 class RuntimeBlock(nn.Module):
     """`TransformerBlock` over `RuntimeAttention`, whose positions may be a tensor and whose batch may sit in rows
-    of the cache from `first_row` on."""
+    of the cache from `first_row` on, and `RuntimeFeedForward`."""
 
-    def __init__(self, block: TransformerBlock, one_position_attention: Optional[AttentionKernel]):
+    def __init__(
+        self, block: TransformerBlock, one_position_attention: Optional[AttentionKernel], stack: Optional[Stack]
+    ):
         super().__init__()
         self.layer_id = block.layer_id
-        self.attention = RuntimeAttention(block.attention, one_position_attention)
-        self.feed_forward = block.feed_forward
+        self.attention = RuntimeAttention(block.attention, one_position_attention, stack)
+        self.feed_forward = RuntimeFeedForward(block.feed_forward, stack)
         self.attention_norm, self.ffn_norm = block.attention_norm, block.ffn_norm
 
     def forward(
@@ -51,13 +72,19 @@ class RuntimeTransformer(Transformer):
     """A loaded `Transformer`'s modules, run as decoding needs them (see the module). `llama.runtime.for_runtime`
     builds it; `one_position_attention` is a faster kernel for one new position's attention, where the device has
     one. It is a `Transformer` (the RoPE table and the caches are made as the reference makes them) whose blocks are
-    `RuntimeBlock`s, built from a loaded model's modules rather than from `ModelArgs`."""
+    `RuntimeBlock`s, built from a loaded model's modules rather than from `ModelArgs`; `stack` (if any) runs each
+    block's layers of one input as one product where it can."""
 
-    def __init__(self, model: Transformer, one_position_attention: Optional[AttentionKernel] = None):
+    def __init__(
+        self,
+        model: Transformer,
+        one_position_attention: Optional[AttentionKernel] = None,
+        stack: Optional[Stack] = None,
+    ):
         nn.Module.__init__(self)  # not Transformer's: the modules are the loaded model's own
         self.params, self.vocab_size, self.n_layers = model.params, model.vocab_size, model.n_layers
         self.tok_embeddings = model.tok_embeddings
-        self.layers = nn.ModuleList(RuntimeBlock(block, one_position_attention) for block in model.layers)
+        self.layers = nn.ModuleList(RuntimeBlock(block, one_position_attention, stack) for block in model.layers)
         self.norm = model.norm
         self.output = model.output
         self.freqs_cis = model.freqs_cis

@@ -43,7 +43,9 @@ class CPULinear(KernelLinear):
     def copy_kernel(self):
         """The kernel of its row classes that runs on a copy of the weight (at most one: the table's rows name one),
         or None."""
-        on_copies = [k for k in self.kernels if k == "fp16" or (k == "onednn" and self.weight.dtype == torch.bfloat16)]
+        on_copies = [
+            k for k in self.kernels or () if k == "fp16" or (k == "onednn" and self.weight.dtype == torch.bfloat16)
+        ]
         return on_copies[0] if on_copies else None
 
     def copy_bytes(self) -> int:
