@@ -211,21 +211,19 @@ def decode_step_bytes(model) -> int:
     """Bytes one batch-1 decode step reads: every weight once, except the embedding table (one row is read),
     unless it doubles as the output head. A layer whose one-row kernel runs on a copy of its weight
     (`KernelLinear.copy_bytes`: a float16 copy, oneDNN's layout, fbgemm's int8) counts the copy in place of the
-    weight; an int4 layer on CUDA counts only the values its one-row kernel reads."""
-    from llama.runtime.cpu.layers import CPULinear
+    weight (a stack of layers' copy holds theirs); an int4 layer on CUDA counts only the values its one-row kernel
+    reads."""
     from llama.runtime.parallel_layers import KernelLinear
-    from llama.runtime.quantized import Int4Linear, Int8Linear
+    from llama.runtime.quantized import Int4Linear
 
     replaced, unread = {}, set()  # id(tensor) -> the bytes read in its place; ids of tensors the step does not read
     for layer in model.modules():
         if not isinstance(layer, KernelLinear):
             continue
-        kernel = layer.kernels[0]  # the kernel of one row
-        on_copy = (isinstance(layer, CPULinear) and layer.copy is not None and layer.copy[0] == kernel) or (
-            isinstance(layer, Int8Linear) and kernel == "fbgemm_int8"
-        )
-        if on_copy:
+        kernel = layer.kernel_for(1)  # the kernel of one row
+        if layer.copy_kernel() == kernel:  # a stack's copy holds the same bytes as its layers' would
             replaced[id(layer.weight)] = layer.copy_bytes()
+            continue
         if isinstance(layer, Int4Linear) and hasattr(layer, "nibbles"):  # "dequantized" reads the values as stored
             kept = (layer.nibbles, layer.group_scales, layer.group_zeros)
             dropped = (layer.weight, layer.scales_and_zeros) if kernel == "dequantized" else kept

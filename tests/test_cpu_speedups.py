@@ -39,6 +39,7 @@ from llama.runtime.cpu.kernels import fbgemm_fp16_supported, fp16_linear, holds_
 from llama.runtime.cpu.layers import CPULinear
 from llama.runtime.kernel_table import CPU_TABLE, CPUOffers, cpu_offers
 from llama.runtime.parallel_layers import ParallelEmbedding, ParallelLinear
+from llama.runtime.stacked import Stack
 from llama.runtime.steps import use_parallel_layers
 
 # CPUs as the kernel table sees them: what PyTorch reports of each, and its flags.
@@ -68,9 +69,19 @@ def every_layer_on(model: nn.Module, kernel: str) -> bool:
     return bool(layers) and all(m.kernels == (kernel,) * ROW_CLASSES for m in layers)
 
 
+def held_copies(model: nn.Module) -> dict:
+    """Each CPU layer's copy of its weight, by the layer's id: (its kernel, the copy), the layer's own or, for a layer
+    of a stack (wq, wk, wv; w1, w3: `llama.runtime.stacked.Stack`), its stack's; layers without one left out."""
+    held = {id(m): (m.copy[0], m.copy[3]) for m in cpu_layers(model) if m.copy is not None}
+    for stack in (module for module in model.modules() if isinstance(module, Stack)):
+        if stack.copy is not None:
+            held.update({id(layer): (stack.copy[0], stack.copy[2]) for layer in stack.layers})
+    return held
+
+
 def copies_made(model: nn.Module) -> set:
     """The kinds of weight copies the model's layers hold ("fp16", "onednn"), none being empty."""
-    return {m.copy[0] for m in cpu_layers(model) if m.copy is not None}
+    return {kernel for kernel, copy_ in held_copies(model).values() if copy_ is not None}
 
 
 def replacement_of(weight: torch.Tensor) -> torch.Tensor:
@@ -367,7 +378,8 @@ def test_bfloat16_on_float16_copies_keeps_the_reference_results(process_group, t
     weights = random_weights(GQA_PARAMS, seed=12)
     fast = load_tiny(tmp_path / "fast", weights, torch.bfloat16)
     assert every_layer_on(fast, "fp16")
-    assert all(m.copy is not None and m.copy[0] == "fp16" for m in cpu_layers(fast))  # made at load, before any input
+    held = held_copies(fast)  # made at load, before any input
+    assert all(held.get(id(m), (None,))[0] == "fp16" for m in cpu_layers(fast))
     reference = reference_model(tmp_path / "reference", weights, torch.bfloat16)
     assert all(torch.equal(fast.state_dict()[k], v) for k, v in reference.state_dict().items())
 
@@ -396,10 +408,10 @@ def test_the_onednn_copies_are_made_at_load_not_by_the_first_prompt(process_grou
     model = load_tiny(tmp_path, random_weights(GQA_PARAMS, seed=25), torch.bfloat16)
     layers = cpu_layers(model)
     assert every_layer_on(model, "onednn")
-    made = [m.copy[3] for m in layers]
+    made = [held_copies(model)[id(m)][1] for m in layers]
     assert all(copy_ is not None for copy_ in made)
     model(torch.randint(0, GQA_PARAMS["vocab_size"], (2, 20), generator=torch.Generator().manual_seed(1)), 0)
-    assert all(m.copy[3] is copy_ for m, copy_ in zip(layers, made))
+    assert all(held_copies(model)[id(m)][1] is copy_ for m, copy_ in zip(layers, made))
 
 
 @needs_fbgemm
@@ -412,7 +424,8 @@ def test_float32_on_float16_copies_keeps_the_reference_results(process_group, tm
     monkeypatch.setenv("LLAMA_CPU_KERNEL", "fp16")
     weights = random_weights(GQA_PARAMS, seed=23)  # bfloat16, as Meta ships checkpoints
     fast = load_tiny(tmp_path / "fast", weights, torch.float32)
-    assert every_layer_on(fast, "fp16") and all(m.copy[3] is not None for m in cpu_layers(fast))
+    held = held_copies(fast)
+    assert every_layer_on(fast, "fp16") and all(held.get(id(m), (None, None))[1] is not None for m in cpu_layers(fast))
     # The copy is what runs: a weight below 2**-17 comes out as float16 holds it.
     wo = copy.deepcopy(fast.layers[0].attention.wo)
     tiny = torch.tensor(1e-7).bfloat16().float()
@@ -590,8 +603,10 @@ def test_a_kernel_the_table_names_that_cannot_run_a_layer_leaves_it_on_f_linear(
     tuned["layers.0.attention.wo.weight"] = trained_float32({"wo": weights["layers.0.attention.wo.weight"]})["wo"]
     model = load_tiny(tmp_path / "tuned", tuned, torch.float32)
     wo = model.layers[0].attention.wo
-    assert wo.kernels == ("linear",) * ROW_CLASSES and wo.copy is None
-    assert all(m.kernels == ("fp16",) * ROW_CLASSES and m.copy[3] is not None for m in cpu_layers(model) if m is not wo)
+    held = held_copies(model)
+    assert wo.kernels == ("linear",) * ROW_CLASSES and id(wo) not in held
+    others = [m for m in cpu_layers(model) if m is not wo]
+    assert all(m.kernels == ("fp16",) * ROW_CLASSES and held[id(m)][1] is not None for m in others)
     tokens = torch.randint(0, GQA_PARAMS["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(2))
     expected = reference_model(tmp_path / "tuned reference", tuned, torch.float32)(tokens, 0)
     assert (incremental_logits(model, tokens, [8, 1, 1, 1, 1]) - expected).abs().max() < ATOL

@@ -85,9 +85,9 @@ class KernelLinear(ParallelLinear):
     own product."""
 
     KERNELS: Dict[str, Callable[..., torch.Tensor]] = {}
-    # How many of the model's layers its product stands for (the load report's counts): 0 for a layer whose product
-    # runs inside a stack of layers (`llama.runtime.stacked`), the stack's layers for the stack.
-    layer_count = 1
+    # Whether it is one of a stack of layers (`llama.runtime.stacked.Stack`), which then holds the copy of the
+    # weights its kernels read, stacked with the others'.
+    in_stack = False
 
     def __init__(self, layer: nn.Module):
         super().__init__(layer)
@@ -109,12 +109,20 @@ class KernelLinear(ParallelLinear):
         """Whether `kernel` can run this product here (this device, this build, these weights)."""
         return kernel in self.KERNELS
 
+    def copy_kernel(self) -> Optional[str]:
+        """The kernel of its row classes that runs on a copy of the weight (at most one), or None."""
+        return None
+
+    def on_a_copy(self, kernel: str) -> bool:
+        """Whether `kernel` runs on a copy of the weight (made at load: `make_copies`)."""
+        return False
+
     def copy_bytes(self) -> int:
-        """Bytes of the copies of the weight its kernels run on (`make_copies`)."""
+        """Bytes of the copy of the weight its kernels run on (`make_copies`)."""
         return 0
 
     def make_copies(self) -> None:
-        """Make the copies of the weight its kernels run on, and free those they no longer run on."""
+        """Make the copy of the weight its kernels run on, and free one they no longer run on."""
 
     def kernel_for(self, rows: int) -> str:
         if torch.compiler.is_compiling():
@@ -129,13 +137,13 @@ def kernels_in_use(model: nn.Module) -> Optional[str]:
     """The kernels the `KernelLinear` layers of `model` run on in each row class, each with the number of layers
     that run it: "1 row: fp16 113; 2-16 rows: fp16 113; ...". None where there are no such layers (float layers off
     the CPU: `F.linear`)."""
-    layers = [layer for layer in model.modules() if isinstance(layer, KernelLinear) and layer.layer_count]
+    layers = [layer for layer in model.modules() if isinstance(layer, KernelLinear)]
     if not layers:
         return None
     counts = [collections.Counter() for _ in ROW_CLASSES]
     for layer in layers:
         for counted, kernel in zip(counts, layer.kernels or [layer.default_kernel()] * len(ROW_CLASSES)):
-            counted[kernel] += layer.layer_count
+            counted[kernel] += 1
     return "; ".join(
         f"{name}: " + ", ".join(f"{kernel} {n}" for kernel, n in counted.most_common())
         for name, counted in zip(ROW_CLASS_NAMES, counts)

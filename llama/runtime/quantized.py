@@ -4,7 +4,7 @@ that compute its product (`KERNELS`), one per row class, from the kernel table (
 `Int4Embedding`: a token embedding table held in int4, which a 4-bit GGUF file brings.
 """
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
@@ -140,16 +140,33 @@ class Int8Linear(QuantizedLinear):
     def activation_dtype(self) -> torch.dtype:
         return self.scales.dtype
 
+    def copy_kernel(self) -> Optional[str]:
+        return "fbgemm_int8" if "fbgemm_int8" in (self.kernels or ()) else None
+
+    def on_a_copy(self, kernel: str) -> bool:
+        return kernel == "fbgemm_int8"
+
     def copy_bytes(self) -> int:
-        return self.weight.numel() if "fbgemm_int8" in (self.kernels or ()) else 0
+        return self.weight.numel() if self.copy_kernel() else 0
 
     def make_copies(self) -> None:
-        """Make fbgemm's copy of the weight if its kernels use it, and free it if not."""
-        wanted = "fbgemm_int8" in (self.kernels or ())
-        if not wanted:
+        """Make fbgemm's copy of the weight if its kernels use it (and it runs alone: a stack holds its layers'),
+        and free it if not."""
+        if self.in_stack or self.copy_kernel() is None:
             self.packed = None
         elif self.packed is None:
-            self.packed = pack_int8(self.weight, self.scales)
+            self.packed = self.copy_of("fbgemm_int8", [self])
+
+    @staticmethod
+    def copy_of(kernel: str, layers: Sequence["Int8Linear"]):
+        """fbgemm's packed copy of the layers' values stacked by rows."""
+        if len(layers) == 1:
+            return pack_int8(layers[0].weight, layers[0].scales)
+        return pack_int8(torch.cat([layer.weight for layer in layers]), torch.cat([layer.scales for layer in layers]))
+
+    @staticmethod
+    def on_copy(kernel: str, x: torch.Tensor, copy) -> torch.Tensor:
+        return two_part_product(x, copy)
 
     def int8(self, x: torch.Tensor) -> torch.Tensor:
         return int8_kernel_product(x, self.weight, self.scales)
@@ -164,7 +181,7 @@ class Int8Linear(QuantizedLinear):
 
     def fbgemm_int8(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
-            self.packed = pack_int8(self.weight, self.scales)
+            self.packed = self.copy_of("fbgemm_int8", [self])
         return two_part_product(x, self.packed)
 
     def compiled(self, x: torch.Tensor) -> torch.Tensor:

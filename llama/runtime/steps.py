@@ -28,7 +28,7 @@ from llama.runtime.parallel_layers import (
     kernels_in_use,
 )
 from llama.runtime.quantized import Int8Linear, is_quantized, quantize_layer
-from llama.runtime.stacked import stacked
+from llama.runtime.stacked import Stack, stacked
 from llama.runtime.transformer import DecodeStep, RuntimeTransformer
 
 LINEAR = (ColumnParallelLinear, RowParallelLinear)
@@ -146,8 +146,8 @@ def use_table_kernels(model: nn.Module) -> None:
     row for it or its kernel cannot run the layer; then the copies of the weights those kernels read (float16,
     oneDNN's layout, fbgemm's int8) are made, on as many threads as torch uses (fbgemm packs on one core). Where the
     copies would take more than half the memory available, none is made, and those layers run PyTorch's kernel."""
-    # A layer run inside a stack of layers keeps PyTorch's kernel, unused, and no copy: its stack has them.
-    layers: List[KernelLinear] = [m for m in model.modules() if isinstance(m, KernelLinear) and m.layer_count]
+    layers: List[KernelLinear] = [layer for layer in model.modules() if isinstance(layer, KernelLinear)]
+    stacks = [module for module in model.modules() if isinstance(module, Stack)]
     known = {kernel for layer in layers for kernel in layer.KERNELS}
     pinned = pinned_kernel(known) if layers and layers[0].weight.device.type == "cpu" else None
     for layer in layers:
@@ -171,8 +171,8 @@ def use_table_kernels(model: nn.Module) -> None:
         for layer in layers:
             if layer.copy_bytes():
                 layer.kernels = (layer.default_kernel(),) * len(ROW_CLASSES)
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        list(pool.map(lambda layer: layer.make_copies(), layers))
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # a stack makes the copy of its layers, stacked
+        list(pool.map(lambda layer: layer.make_copies(), layers + stacks))
     if layers and layers[0].weight.device.type == "cpu" and global_rank() == 0:
         logger.info("CPU: %s; kernels by row class: %s", cpu_offers(), kernels_in_use(model))
 

@@ -1,5 +1,7 @@
 """The CPU's float linear layers: `CPULinear` runs each row class on the kernel the kernel table gives it."""
 
+from typing import Optional, Sequence
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -40,46 +42,55 @@ class CPULinear(KernelLinear):
             )
         return kernel == "linear"
 
-    def copy_kernel(self):
+    def copy_kernel(self) -> Optional[str]:
         """The kernel of its row classes that runs on a copy of the weight (at most one: the table's rows name one),
         or None."""
-        on_copies = [
-            k for k in self.kernels or () if k == "fp16" or (k == "onednn" and self.weight.dtype == torch.bfloat16)
-        ]
-        return on_copies[0] if on_copies else None
+        return next((kernel for kernel in self.kernels or () if self.on_a_copy(kernel)), None)
+
+    def on_a_copy(self, kernel: str) -> bool:
+        """Whether `kernel` runs on a copy of the weight: fbgemm's float16 one, or oneDNN's layout in bfloat16."""
+        return kernel == "fp16" or (kernel == "onednn" and self.weight.dtype == torch.bfloat16)
 
     def copy_bytes(self) -> int:
         return 2 * self.weight.numel() if self.copy_kernel() else 0
 
     def make_copies(self) -> None:
-        kernel = self.copy_kernel()
-        if kernel is None:
-            self.copy = None
-        elif (
-            self.copy is None
-            or self.copy[0] != kernel
-            or self.copy[1] is not self.weight
-            or self.copy[2] != self.weight._version
-        ):
-            self.copy = None  # the old copy freed first
-            if kernel == "fp16":
-                copied = pack_as_fp16(self.weight)
-            else:
-                copied = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
-            self.copy = (kernel, self.weight, self.weight._version, copied)
+        if self.in_stack or self.copy_kernel() is None:
+            self.copy = None  # its stack holds the copy, or no kernel of its reads one
+        else:
+            self.weight_copy(self.copy_kernel())
 
-    def weight_copy(self):
-        """The weight's copy, made again first where the weight was replaced or changed in place since (seen
-        through its version counter, which in-place ops bump; writes through `.data` do not)."""
-        self.make_copies()
+    def weight_copy(self, kernel: str):
+        """The weight's copy for `kernel`, made again first where the weight was replaced or changed in place since
+        (seen through its version counter, which in-place ops bump; writes through `.data` do not)."""
+        held = self.copy is not None and self.copy[0] == kernel and self.copy[1] is self.weight
+        if not held or self.copy[2] != self.weight._version:
+            self.copy = None  # the old copy freed first
+            self.copy = (kernel, self.weight, self.weight._version, self.copy_of(kernel, [self]))
         return self.copy[3]
 
+    @staticmethod
+    def copy_of(kernel: str, layers: Sequence["CPULinear"]):
+        """The copy `kernel` runs on of the layers' weights stacked by rows (for "fp16", None where float16 cannot
+        hold them)."""
+        weight = layers[0].weight if len(layers) == 1 else torch.cat([layer.weight for layer in layers])
+        if kernel == "fp16":
+            return pack_as_fp16(weight)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+    @staticmethod
+    def on_copy(kernel: str, x: torch.Tensor, copy) -> torch.Tensor:
+        """`x` times the weights a copy of `kernel`'s holds (`copy_of`)."""
+        if kernel == "fp16":
+            return fp16_linear(x, copy)
+        return torch.ops.mkldnn._linear_pointwise(x, copy, None, "none", [], "")
+
     def fp16(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.weight_copy()
+        packed = self.weight_copy("fp16")
         return F.linear(x, self.weight) if packed is None else fp16_linear(x, packed)
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.weight.dtype == torch.float32 else self.weight_copy()
+        weight = self.weight if self.weight.dtype == torch.float32 else self.weight_copy("onednn")
         return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
