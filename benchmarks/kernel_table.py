@@ -2,7 +2,7 @@
 kernel of each kind of weights, at a row count of each row class, on the linear layers of Llama 3.2 1B's blocks.
 
     python benchmarks/kernel_table.py                          # every kind of weights, rows 1 8 64 256, 5 rounds
-    python benchmarks/kernel_table.py --weights bfloat16 int8 --rows 1 8 --rounds 7
+    python benchmarks/kernel_table.py --weights bfloat16 int8 --rows 1 8 --rounds 7   # also float32-of-bfloat16 ...
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 DNNL_MAX_CPU_ISA=AVX2 FBGEMM_ENABLE_INSTRUCTIONS=AVX2 \
         MKL_ENABLE_INSTRUCTIONS=AVX2 python benchmarks/kernel_table.py   # the kernels an AVX2 CPU runs
 
@@ -33,12 +33,19 @@ from bench import machine  # noqa: E402
 from llama.distributed import init_model_parallel  # noqa: E402
 from llama.runtime.cpu.kernels import one_position_attention  # noqa: E402
 from llama.runtime.cpu.layers import CPULinear  # noqa: E402
-from llama.runtime.kernel_table import cpu_offers, row_class, table_kernels  # noqa: E402
+from llama.runtime.kernel_table import ROW_CLASSES, cpu_offers, row_class, table_kernels  # noqa: E402
 from llama.runtime.quantized import quantize_layer  # noqa: E402
 
 # Llama 3.2 1B's linear layers in one block (out, in): wq, wk, wv, wo, w1, w3, w2.
 BLOCK = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)]
-WEIGHTS = ("bfloat16", "float32 holding bfloat16", "float32", "int8 bfloat16", "int4")
+# --weights' names for the table's kinds of weights
+WEIGHTS = {
+    "bfloat16": "bfloat16",
+    "float32-of-bfloat16": "float32 holding bfloat16",
+    "float32": "float32",
+    "int8": "int8 bfloat16",
+    "int4": "int4",
+}
 
 
 def random_weight(out_features: int, in_features: int, weights: str, seed: int) -> torch.Tensor:
@@ -63,7 +70,7 @@ def layers_of(weights: str, blocks: int, kernel: str) -> list:
             layer = CPULinear(plain)
         if not layer.runs(kernel):
             return None
-        layer.kernels = (kernel,) * len(layer.kernels)
+        layer.kernels = (kernel,) * len(ROW_CLASSES)
         layer.make_copies()
         layers.append(layer)
     return layers
@@ -77,21 +84,17 @@ def kernels_of(weights: str) -> list:
     return ["fp16", "onednn", "linear"]
 
 
-def measure(weights: str, rows: int, blocks: int, rounds: int) -> dict:
-    """Each kernel's pass times (seconds) over `rounds` rounds, the kernels taking turns within each round."""
-    dtype = torch.float32 if weights.startswith("float32") else torch.bfloat16
-    passes = {}
-    for kernel in kernels_of(weights):
-        layers = layers_of(weights, blocks, kernel)
-        if layers is not None:
-            inputs = [torch.randn(rows, layer.fairscale_layer.in_features, dtype=dtype) for layer in layers]
-            passes[kernel] = (layers, inputs)
+def measure(passes: dict, rows: int, dtype: torch.dtype, rounds: int) -> dict:
+    """Each kernel's pass times (seconds) over `rounds` rounds, the kernels taking turns within each round: `passes`
+    maps each kernel to the layers a pass runs."""
+    inputs = {kernel: [torch.randn(rows, layer.fairscale_layer.in_features, dtype=dtype) for layer in layers]
+              for kernel, layers in passes.items()}  # fmt: skip
     times = {kernel: [] for kernel in passes}
     with torch.inference_mode():
         for _ in range(rounds + 1):  # a warm-up round first: oneDNN builds its primitives
-            for kernel, (layers, inputs) in passes.items():
+            for kernel, layers in passes.items():
                 start = time.perf_counter()
-                for layer, x in zip(layers, inputs):
+                for layer, x in zip(layers, inputs[kernel]):
                     layer(x)
                 times[kernel].append(time.perf_counter() - start)
     return {kernel: found[1:] for kernel, found in times.items()}
@@ -123,7 +126,7 @@ def attention_times(lengths, rounds: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=WEIGHTS, metavar="WEIGHTS")
+    parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 64, 256])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--blocks", type=int, default=4, help="blocks a pass of one row or a batch's rows runs")
@@ -132,10 +135,14 @@ def main() -> None:
     init_model_parallel(torch.device("cpu"), None, timedelta(seconds=60))
     print(machine(torch.get_num_threads()))
     print(f"Kernel table's CPU: {cpu_offers()}; {opts.rounds} rounds, us per million weights: median (range)")
-    for weights in opts.weights:
+    for weights in (WEIGHTS[name] for name in opts.weights):
+        dtype = torch.float32 if weights.startswith("float32") else torch.bfloat16
+        layers = {kernel: layers_of(weights, opts.blocks, kernel) for kernel in kernels_of(weights)}
+        layers = {kernel: found for kernel, found in layers.items() if found is not None}
         for rows in opts.rows:
             blocks = opts.blocks if rows < 64 else 1
-            times = measure(weights, rows, blocks, opts.rounds)
+            passes = {kernel: found[: len(BLOCK) * blocks] for kernel, found in layers.items()}
+            times = measure(passes, rows, dtype, opts.rounds)
             million = sum(o * i for o, i in BLOCK) * blocks / 1e6
             medians = {kernel: statistics.median(t) / million * 1e6 for kernel, t in times.items()}
             best = min(medians, key=medians.get)
@@ -147,6 +154,7 @@ def main() -> None:
                 for kernel, t in times.items()
             )
             print(f"{weights}, {rows} rows: {figures}; table: {chosen}", flush=True)
+        del layers
     if not opts.no_attention:
         for positions, medians in attention_times([64, 128, 256, 512, 1024, 2048], opts.rounds).items():
             best = min(medians, key=medians.get)
