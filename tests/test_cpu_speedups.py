@@ -532,9 +532,9 @@ CPUS = {"AVX2": AVX2_CPU, "AVX-512 with bfloat16": AVX512_BF16_CPU, "unknown": U
 def test_the_table_chooses_by_what_the_cpu_offers(process_group, tmp_path, monkeypatch, cpu, checkpoint):
     """The same model gets the kernel table's row for the CPU it runs on and its weights: bfloat16 weights run on
     float16 copies on an AVX2 CPU and on oneDNN's bfloat16 kernel on one with AVX-512 bfloat16; float32 weights that
-    hold bfloat16 values (a float32 load of Meta's checkpoint) run one row and a batch on float16 copies and prompts
-    on the table's prompt kernel; float32 weights of other values, and every model on a CPU the table does not know,
-    run `F.linear` (and hold no copies)."""
+    hold bfloat16 values (a float32 load of Meta's checkpoint) on float16 copies; float32 weights of other values on
+    oneDNN's float32 kernel on an AVX-512 CPU (no copy) and on `F.linear` on an AVX2 one; every model on a CPU the
+    table does not know runs `F.linear` (and holds no copies)."""
     offers = CPUS[cpu]
     if fbgemm_fp16_supported() is False and cpu != "unknown":
         pytest.skip("this torch build has no fbgemm (not x86): the table's float16 kernel cannot run")
@@ -555,10 +555,15 @@ def test_the_table_chooses_by_what_the_cpu_offers(process_group, tmp_path, monke
         ("AVX2", "bfloat16"): ("fp16",) * 4,
         ("AVX2", "float32 of bfloat16 values"): ("fp16",) * 4,
         ("AVX-512 with bfloat16", "bfloat16"): ("onednn", "onednn", "onednn", "linear"),
-        ("AVX-512 with bfloat16", "float32 of bfloat16 values"): ("fp16", "fp16", "onednn", "onednn"),
+        ("AVX-512 with bfloat16", "float32 of bfloat16 values"): ("fp16",) * 4,
+        ("AVX-512 with bfloat16", "float32 trained"): ("onednn",) * 4,
     }
     assert chosen == concrete.get((cpu, checkpoint), ("linear",) * 4)
-    weights_kind = {"bfloat16": "bfloat16", "float32 of bfloat16 values": "float32 holding bfloat16"}
+    weights_kind = {
+        "bfloat16": "bfloat16",
+        "float32 of bfloat16 values": "float32 holding bfloat16",
+        "float32 trained": "float32",
+    }
     assert chosen == CPU_TABLE.get((offers.kind, weights_kind.get(checkpoint)), ("linear",) * 4)  # the spec
     assert copies_made(model) == (
         {"fp16", "onednn"} & set(chosen) if dtype == torch.bfloat16 else {"fp16"} & set(chosen)

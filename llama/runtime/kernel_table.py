@@ -34,7 +34,8 @@ AVX512_BF16, AVX2 = "AVX-512 with bfloat16", "AVX2"
 # `llama.runtime.quantized`'s.
 CPU_TABLE: Dict[Tuple[str, str], Tuple[str, str, str, str]] = {
     (AVX512_BF16, "bfloat16"): ("onednn", "onednn", "onednn", "linear"),
-    (AVX512_BF16, "float32 holding bfloat16"): ("fp16", "fp16", "onednn", "onednn"),
+    (AVX512_BF16, "float32 holding bfloat16"): ("fp16", "fp16", "fp16", "fp16"),
+    (AVX512_BF16, "float32"): ("onednn", "onednn", "onednn", "onednn"),
     (AVX512_BF16, "int8 bfloat16"): ("fbgemm_int8", "fbgemm_int8", "widened", "widened"),
     (AVX512_BF16, "int4"): ("int4pack", "int4pack", "int4pack", "widened"),
     (AVX2, "bfloat16"): ("fp16", "fp16", "fp16", "fp16"),
