@@ -8,40 +8,21 @@ through each path's decode step, the same tokens for every path. Each path's log
 the same weights (the bfloat16 ones, widened; TF32 off): the mean absolute difference, and how often the top token is
 float32's, for the prompt positions and the steps apart.
 The reference algorithm is Meta's code on the same weights: fairscale's layers (`F.linear`), attention with the kv
-heads repeated and the scores stored whole (`reference_forward`).
+heads repeated and the scores stored whole (`helpers.reference_attention_forward`).
 Two paths run the eager runtime in other pieces: "prefix reused" runs each prompt in two halves (the second over the
 first's cached keys and values, as prefix reuse runs a chat's next turn), and "speculative" runs the steps in passes
 of `SPECULATIVE_ROWS` positions through `forward` (as speculative decoding checks a pass of guesses that are all
 kept).
 """
 
-import types
 from typing import Callable, Dict, List, Optional
 
 import torch
-from helpers import causal_mask, reference_attention, smollm2_gguf
+from helpers import smollm2_gguf, with_reference_attention
 from smollm2_accuracy import EVAL_TEXT, gguf_tokenizer
 
 WINDOWS = 4
 SPECULATIVE_ROWS = 9  # a pass of the last token and draft_max (8) guesses
-
-
-def reference_forward(self, x, start_pos, freqs_cis, mask):
-    """`llama.model.Attention.forward` as Meta's reference writes it: kv heads repeated, scores stored whole, Meta's
-    causal mask for several positions (built on `x`'s device)."""
-    from llama.model import apply_rotary_emb
-
-    bsz, seqlen, _ = x.shape
-    mask = causal_mask(seqlen, start_pos).to(x.device, x.dtype) if seqlen > 1 else None
-    xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
-    xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
-    xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
-    xq, xk = apply_rotary_emb(xq, xk, freqs_cis=freqs_cis)
-    cache = self.kv_cache
-    cache.cache_k[:bsz, start_pos : start_pos + seqlen] = xk
-    cache.cache_v[:bsz, start_pos : start_pos + seqlen] = xv
-    keys, values = cache.cache_k[:bsz, : start_pos + seqlen], cache.cache_v[:bsz, : start_pos + seqlen]
-    return self.wo(reference_attention(xq, keys, values, mask, self.n_rep))
 
 
 def build(path: str, device: torch.device, max_seq_len: int):
@@ -62,8 +43,7 @@ def build(path: str, device: torch.device, max_seq_len: int):
             for parameter in model.parameters():
                 parameter.copy_(parameter.bfloat16())
     if path == "reference":
-        for layer in model.layers:
-            layer.attention.forward = types.MethodType(reference_forward, layer.attention)
+        with_reference_attention(model)
     if path in ("int8", "int4"):
         quantize_model(model, path)
     if path in ("float32", "reference"):

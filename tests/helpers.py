@@ -223,7 +223,7 @@ def reference_attention_forward(self, x, start_pos, freqs_cis, mask, first_row=0
     from llama.model import apply_rotary_emb
 
     bsz, seqlen, _ = x.shape
-    mask = causal_mask(seqlen, start_pos).to(x.dtype) if seqlen > 1 else None
+    mask = causal_mask(seqlen, start_pos).to(x.device, x.dtype) if seqlen > 1 else None
     xq = self.wq(x).view(bsz, seqlen, self.n_local_heads, self.head_dim)
     xk = self.wk(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
     xv = self.wv(x).view(bsz, seqlen, self.n_local_kv_heads, self.head_dim)
