@@ -33,7 +33,7 @@ AVX512_BF16, AVX2 = "AVX-512 with bfloat16", "AVX2"
 # exactly), "int8 <activations' dtype>", "int4". The kernels are `llama.runtime.cpu.layers.CPULinear`'s and
 # `llama.runtime.quantized`'s.
 CPU_TABLE: Dict[Tuple[str, str], Tuple[str, str, str, str]] = {
-    (AVX512_BF16, "bfloat16"): ("onednn", "onednn", "onednn", "linear"),
+    (AVX512_BF16, "bfloat16"): ("onednn", "onednn", "onednn", "onednn"),
     (AVX512_BF16, "float32 holding bfloat16"): ("fp16", "fp16", "fp16", "fp16"),
     (AVX512_BF16, "float32"): ("onednn", "onednn", "onednn", "onednn"),
     (AVX512_BF16, "int8 bfloat16"): ("fbgemm_int8", "fbgemm_int8", "widened", "widened"),

@@ -2,12 +2,12 @@
 feed-forward's w1 and w3 (`w13`), as gpt-fast's `wqkv` and vLLM's merged layers do; on the CPU, per rank, for float
 and int8 layers alike (`Stack`).
 
-Where a row class's kernel runs on a copy of the weights (a float16 copy, oneDNN's bfloat16 layout, fbgemm's int8),
-the stack makes one copy of the layers' weights stacked by rows and runs them as one product: fewer, larger calls,
+Where a row class's kernel runs on a copy of the weights (a float16 copy, fbgemm's int8: `STACKED_KERNELS`), the
+stack makes one copy of the layers' weights stacked by rows and runs them as one product: fewer, larger calls,
 where each call costs tens of microseconds beyond reading its weight (fbgemm_int8 some 100, writing its input as two
-parts). Elsewhere (a kernel that reads the weights as loaded) each layer runs alone. Each output is computed as in
-its own layer's product: the same bits (tested). Llama 3.2 1B without stacks on a Zen 5 (`bench.py --baseline`,
-docs/speed.md): int8 decoded a batch of 8 at 0.85x, float32 one sequence at 0.89x to 0.99x.
+parts). Elsewhere (a kernel that reads the weights as loaded, or oneDNN's own copies) each layer runs alone. Each
+output is computed as in its own layer's product: the same bits (tested). Llama 3.2 1B without stacks on a Zen 5
+(`bench.py --baseline`, docs/speed.md): int8 decoded a batch of 8 at 0.85x, float32 one sequence at 0.89x to 0.99x.
 
 The layers stay where they are, with their weights and state-dict keys, and are counted in the load report as
 themselves; the stack holds no parameters, only its copy, made at load (`make_copies`) and again at its next use
@@ -25,6 +25,10 @@ from llama.runtime.cpu.layers import CPULinear
 from llama.runtime.parallel_layers import KernelLinear
 from llama.runtime.quantized import Int8Linear
 
+# The kernels whose copies a stack holds for its layers. Not oneDNN's bfloat16 layout: with w1 and w3 stacked on it,
+# 1B's 512-token prompts ran at 0.922x the layers alone (Zen 5, docs/speed.md), and decode steps gained nothing.
+STACKED_KERNELS = ("fp16", "fbgemm_int8")
+
 
 class Stack(nn.Module):
     """`KernelLinear` layers of one class and one input, run as one product on one copy of their stacked weights in
@@ -35,8 +39,6 @@ class Stack(nn.Module):
         self.layers = layers  # a tuple, not submodules: the layers keep their own keys
         self.sizes = [layer.fairscale_layer.output_size_per_partition for layer in layers]
         self.copy = None  # (the kernel, each layer's tensors and their versions when copied, the copy)
-        for layer in layers:
-            layer.in_stack = True
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """Each layer's output for `x`, in the layers' order."""
@@ -48,9 +50,15 @@ class Stack(nn.Module):
         return type(first).on_copy(kernel, x, copy).split(self.sizes, -1)
 
     def copy_kernel(self) -> Optional[str]:
-        """The kernel its layers run on a copy, where they all run the same kernels (else None: each alone)."""
-        kernels = {layer.kernels for layer in self.layers}
-        return self.layers[0].copy_kernel() if len(kernels) == 1 else None
+        """The kernel its layers run on a copy, where they all run the same kernels and it is one that runs stacked
+        (`STACKED_KERNELS`); else None: each layer alone."""
+        kernel = self.layers[0].copy_kernel() if len({layer.kernels for layer in self.layers}) == 1 else None
+        return kernel if kernel in STACKED_KERNELS else None
+
+    def claim(self) -> None:
+        """Tell its layers whether it holds their copy (`KernelLinear.in_stack`), before any copy is made."""
+        for layer in self.layers:
+            layer.in_stack = self.copy_kernel() is not None
 
     def tensors(self) -> list:
         """Each layer's tensors its copy is made of, with their versions."""

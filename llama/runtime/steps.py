@@ -171,6 +171,8 @@ def use_table_kernels(model: nn.Module) -> None:
         for layer in layers:
             if layer.copy_bytes():
                 layer.kernels = (layer.default_kernel(),) * len(ROW_CLASSES)
+    for stack in stacks:
+        stack.claim()
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # a stack makes the copy of its layers, stacked
         list(pool.map(lambda layer: layer.make_copies(), layers + stacks))
     if layers and layers[0].weight.device.type == "cpu" and global_rank() == 0:
