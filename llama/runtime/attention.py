@@ -19,6 +19,9 @@ from llama.model import Attention, KVCache, apply_rotary_emb
 
 # (xq, keys, values) -> output, in the layout of F.scaled_dot_product_attention's arguments and result.
 AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Given linear layers that always take the same input, one module that runs them as one product, returning each
+# layer's output (`llama.runtime.stacked.stacked`), or None where they run alone.
+MakeStack = Callable[..., Optional[nn.Module]]
 
 
 def write_at_positions(
@@ -55,7 +58,7 @@ class RuntimeAttention(nn.Module):
         self,
         attention: Attention,
         one_position_attention: Optional[AttentionKernel] = None,
-        stack: Optional[Callable[..., Optional[nn.Module]]] = None,
+        stack: Optional[MakeStack] = None,
     ):
         super().__init__()
         self.n_local_heads, self.n_local_kv_heads = attention.n_local_heads, attention.n_local_kv_heads

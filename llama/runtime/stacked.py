@@ -44,7 +44,7 @@ class Stack(nn.Module):
         """Each layer's output for `x`, in the layers' order."""
         first = self.layers[0]
         kernel = first.kernel_for(x.numel() // max(1, x.shape[-1]))
-        copy = self.stacked_copy(kernel) if kernel == self.copy_kernel() and first.on_a_copy(kernel) else None
+        copy = self.stacked_copy(kernel) if kernel == self.copy_kernel() else None
         if copy is None:  # a kernel on the weights as loaded (or a float16 copy that cannot hold them): each alone
             return tuple(layer(x) for layer in self.layers)
         return type(first).on_copy(kernel, x, copy).split(self.sizes, -1)

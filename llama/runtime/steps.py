@@ -48,9 +48,9 @@ def for_runtime(
 
     1. `use_cpu_kernels`: on the CPU (`runs_on_cpu_kernels`), each fairscale linear layer becomes a `CPULinear`.
     2. `RuntimeTransformer`: the runtime modules (`llama.runtime.transformer`): the fixed-shape decode step, per-row
-       positions and cache rows for the engine, layers of one input stacked into one product where that measured
-       faster (`llama.runtime.stacked`: int8 on the CPU), and on the CPU float32 matmuls for one new position's
-       bfloat16 attention from the cache length the kernel table gives (`attention_kernel`).
+       positions and cache rows for the engine, layers of one input stacked into one product on the CPU where their
+       kernel reads a float16 or fbgemm int8 copy (`llama.runtime.stacked`), and on the CPU float32 matmuls for one
+       new position's bfloat16 attention from the cache length the kernel table gives (`attention_kernel`).
     3. `use_parallel_layers`: every fairscale layer left (all of them off the CPU) becomes `ParallelLinear` or
        `ParallelEmbedding`: the collectives called directly and skipped in one process, traceable by torch.compile.
     4. `use_table_kernels`: each `KernelLinear` (the CPU's float layers, the quantized ones) runs the kernel table's

@@ -14,22 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from llama.model import FeedForward, Transformer, TransformerBlock, causal_mask
-from llama.runtime.attention import AttentionKernel, RuntimeAttention
+from llama.runtime.attention import AttentionKernel, MakeStack, RuntimeAttention
 from llama.runtime.cached_tokens import CachedTokens
 
 # A one-token step: (tokens (bsz, 1), position as a one-element tensor, or one per row) -> logits (bsz, 1, vocab_size).
 DecodeStep = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-# Given linear layers that always take the same input, one module that runs them as one product, returning each
-# layer's output (`llama.runtime.stacked.stacked`), or None where they run alone.
-Stack = Callable[..., Optional[nn.Module]]
-
-
 class RuntimeFeedForward(nn.Module):
     """`FeedForward` of the same layers, with w1 and w3 run as one product where they are stacked (`w13`)."""
 
-    def __init__(self, feed_forward: FeedForward, stack: Optional[Stack]):
+    def __init__(self, feed_forward: FeedForward, stack: Optional[MakeStack]):
         super().__init__()
         self.w1, self.w2, self.w3 = feed_forward.w1, feed_forward.w2, feed_forward.w3
         self.w13 = stack(self.w1, self.w3) if stack else None
@@ -44,7 +39,7 @@ class RuntimeBlock(nn.Module):
     of the cache from `first_row` on, and `RuntimeFeedForward`."""
 
     def __init__(
-        self, block: TransformerBlock, one_position_attention: Optional[AttentionKernel], stack: Optional[Stack]
+        self, block: TransformerBlock, one_position_attention: Optional[AttentionKernel], stack: Optional[MakeStack]
     ):
         super().__init__()
         self.layer_id = block.layer_id
@@ -79,7 +74,7 @@ class RuntimeTransformer(Transformer):
         self,
         model: Transformer,
         one_position_attention: Optional[AttentionKernel] = None,
-        stack: Optional[Stack] = None,
+        stack: Optional[MakeStack] = None,
     ):
         nn.Module.__init__(self)  # not Transformer's: the modules are the loaded model's own
         self.params, self.vocab_size, self.n_layers = model.params, model.vocab_size, model.n_layers

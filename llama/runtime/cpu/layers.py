@@ -80,18 +80,19 @@ class CPULinear(KernelLinear):
 
     @staticmethod
     def on_copy(kernel: str, x: torch.Tensor, copy) -> torch.Tensor:
-        """`x` times the weights a copy of `kernel`'s holds (`copy_of`)."""
+        """`x` times the weights `kernel` reads: a copy of them (`copy_of`), or for oneDNN in float32 the weight as
+        loaded."""
         if kernel == "fp16":
             return fp16_linear(x, copy)
         return torch.ops.mkldnn._linear_pointwise(x, copy, None, "none", [], "")
 
     def fp16(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.weight_copy("fp16")
-        return F.linear(x, self.weight) if packed is None else fp16_linear(x, packed)
+        return F.linear(x, self.weight) if packed is None else self.on_copy("fp16", x, packed)
 
     def onednn(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.weight.dtype == torch.float32 else self.weight_copy("onednn")
-        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        return self.on_copy("onednn", x, weight)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
