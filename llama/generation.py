@@ -4,7 +4,6 @@
 ties them together.
 """
 
-import os
 import time
 from datetime import timedelta
 from typing import Iterator, List, Optional, Tuple, TypedDict, Union
@@ -12,15 +11,14 @@ from typing import Iterator, List, Optional, Tuple, TypedDict, Union
 import fairscale.nn.model_parallel.initialize as fs_init
 import torch
 
-from llama.arguments import DEFAULT_DRAFT_MAX, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, LOOKUP
+from llama.arguments import DEFAULT_DRAFT_MAX, DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.checkpoint import (
     LoadReport,
     checked_int,
     find_tokenizer,
     load_checkpoint,
-    model_args_from,
-    open_checkpoint,
 )
+from llama.checkpoint.draft import draft_model, draft_vocabulary
 from llama.decoding import BatchDecoder, Speed, Stopwatch
 from llama.decoding.grammar import constraints_for
 from llama.runtime import DecodeStep, RuntimeTransformer, compiled_step, for_runtime
@@ -28,12 +26,16 @@ from llama.text import (
     StreamChunk,
     chat_prediction,
     completion_prediction,
+    dialog_images,
     encode_dialogs,
     encode_prompts,
+    prompt_images,
     stream_chunks,
     with_tool_calls,
 )
 from llama.tokenizer import ChatFormat, Dialog, Message, StopReason, Tokenizer
+from llama.vision.batch import show_images
+from llama.vision.model import CrossAttentionTransformer
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 
@@ -49,42 +51,6 @@ class ChatPrediction(TypedDict, total=False):
     tokens: List[str]  # with logprobs=True
     logprobs: List[float]  # with logprobs=True
     stop_reason: StopReason  # why the answer ended (not in Meta's ChatPrediction: docs/differences.md)
-
-
-def draft_vocabulary(draft) -> Optional[int]:
-    """The vocabulary size of a draft checkpoint folder (None for no draft, or prompt lookup), read from its params
-    before anything loads, so that a wrong draft fails first.
-
-    Raises:
-        ValueError: for a draft that is neither a folder nor "lookup".
-        FileNotFoundError: for a folder that holds no checkpoint.
-    """
-    if draft is None or draft == LOOKUP:
-        return None
-    if not isinstance(draft, (str, os.PathLike)):
-        raise ValueError(f"draft must be {LOOKUP!r}, a checkpoint folder or None, got {draft!r}")
-    try:
-        args, _ = model_args_from(open_checkpoint(draft).params)
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"The draft: {e} (a draft is {LOOKUP!r} or a checkpoint folder)") from None
-    return args.vocab_size
-
-
-def draft_model(ckpt_dir: str, vocab_size: int, model: RuntimeTransformer, *load_args) -> RuntimeTransformer:
-    """The draft model of speculative decoding: the checkpoint in `ckpt_dir` (of `vocab_size` tokens), loaded as
-    `load_checkpoint` loads one (`load_args`, with `model`'s tokenizer) and run eagerly on the runtime's modules.
-
-    Raises:
-        ValueError: when its vocabulary is not `model`'s (a draft must share the model's tokenizer).
-    """
-    if vocab_size != model.vocab_size:
-        raise ValueError(
-            f"The draft checkpoint {ckpt_dir} has a vocabulary of {vocab_size} tokens and the model "
-            f"{model.vocab_size}: a draft must share the model's tokenizer (Llama 3.2 1B or 3B for Llama 3.x)"
-        )
-    loaded, _, _ = load_checkpoint(ckpt_dir, *load_args)
-    draft, _ = for_runtime(loaded)
-    return draft
 
 
 class Llama:
@@ -180,14 +146,21 @@ class Llama:
             quantize,
         )
         mp_size = fs_init.get_model_parallel_world_size()
-        runtime, decode_step = for_runtime(model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size)
+        if isinstance(model, CrossAttentionTransformer):  # runs eagerly on the reference's modules (docs/vision.md)
+            if prefix_cache or draft is not None or compile:
+                raise ValueError("prefix_cache, draft and compile are not available with a Llama 3.2 Vision model")
+            runtime, decode_step = model, None
+        else:
+            runtime, decode_step = for_runtime(
+                model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size
+            )
         if draft_vocab is not None:
             shared_tokenizer = find_tokenizer(ckpt_dir, tokenizer_path)
             draft_args = (shared_tokenizer, max_seq_len, 1, mp_size, seed, runtime.tok_embeddings.weight.device)
             draft = draft_model(draft, draft_vocab, runtime, *draft_args, dtype, version, timeout, draft_quantize)
         generator = Llama(runtime, tokenizer, decode_step, prefix_cache, draft, draft_max)
         report.seconds = time.time() - start  # with the runtime's choices
-        report.kernels = runtime.kernels_in_use
+        report.kernels = getattr(runtime, "kernels_in_use", None)
         generator.load_report = report
         return generator
 
@@ -203,7 +176,9 @@ class Llama:
         self.model = model
         self.tokenizer = tokenizer
         self.formatter = ChatFormat(tokenizer)
-        self.decoder = BatchDecoder(model, tokenizer, decode_step, prefix_cache, draft, draft_max)
+        # A vision model decodes through its text model, which reads the images `show_images` gives it.
+        decoding = model.text_model if isinstance(model, CrossAttentionTransformer) else model
+        self.decoder = BatchDecoder(decoding, tokenizer, decode_step, prefix_cache, draft, draft_max)
 
     def compile_decode_step(self) -> None:
         """From now on, decode one token per row with `Transformer.decode_step` compiled by torch.compile.
@@ -251,6 +226,19 @@ class Llama:
         Raises:
             ValueError: for an empty batch or prompt, a batch or prompt that is too long, or a bad parameter.
         """
+        show_images(self.model, prompt_tokens, [])  # token IDs only: a vision model reads no image
+        return self.run_batch(prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo)
+
+    def run_batch(
+        self,
+        prompt_tokens: List[List[int]],
+        max_gen_len: Optional[int],
+        temperature: float,
+        top_p: float,
+        logprobs: bool,
+        echo: bool,
+    ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
+        """`generate`, with the images the batch sees already shown to the model (`show_images`)."""
         max_gen_len = self.decoder.gen_len(max_gen_len)
         stopwatch = Stopwatch(self.decoder)
         out_tokens, out_logprobs, _ = self.decoder.run(prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo)
@@ -283,8 +271,10 @@ class Llama:
         Raises:
             ValueError: for an empty list, an empty prompt, too many or too long prompts, or a bad parameter.
         """
-        generation_tokens, generation_logprobs = self.generate(
-            encode_prompts(self.tokenizer, prompts), max_gen_len, temperature, top_p, logprobs, echo
+        prompt_tokens = encode_prompts(self.tokenizer, prompts)
+        show_images(self.model, prompt_tokens, prompt_images(prompts))
+        generation_tokens, generation_logprobs = self.run_batch(
+            prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo
         )
         per_row = generation_logprobs or [None] * len(generation_tokens)
         return [completion_prediction(self.tokenizer, t, p) for t, p in zip(generation_tokens, per_row)]
@@ -320,6 +310,7 @@ class Llama:
             ValueError: for an empty list or dialog, a malformed message, too many or too long dialogs, a bad value.
         """
         prompt_tokens = encode_dialogs(self.formatter, dialogs)
+        show_images(self.model, prompt_tokens, dialog_images(dialogs))
         stopwatch = Stopwatch(self.decoder)
         rows = constraints_for(response_format, self.tokenizer, self.model.params.vocab_size, len(dialogs))
         generation_tokens, generation_logprobs, stop_reasons = self.decoder.run(
@@ -347,6 +338,7 @@ class Llama:
             ValueError: as `text_completion`.
         """
         prompt_tokens = encode_prompts(self.tokenizer, prompts)
+        show_images(self.model, prompt_tokens, prompt_images(prompts))
         tokens = self.decoder.stream(prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p)
         yield from stream_chunks(self.tokenizer, tokens)
 
@@ -367,5 +359,6 @@ class Llama:
             ValueError: as `chat_completion`.
         """
         prompt_tokens = encode_dialogs(self.formatter, dialogs)
+        show_images(self.model, prompt_tokens, dialog_images(dialogs))
         tokens = self.decoder.stream(prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p)
         yield from with_tool_calls(self.formatter, stream_chunks(self.tokenizer, tokens))

@@ -182,7 +182,15 @@ TOP_LEVEL = {
 }
 # Each part of the package, lowest first: a module may import from its own part and the parts before it only.
 LAYERS = [
-    {"llama.arguments", "llama.logs", "llama.model", "llama.os_memory", "llama.quantize", "llama.tokenizer"},
+    {
+        "llama.arguments",
+        "llama.logs",
+        "llama.model",
+        "llama.os_memory",
+        "llama.quantize",
+        "llama.tokenizer",
+        "llama.vision",
+    },
     {"llama.distributed"},
     {"llama.runtime"},
     {"llama.checkpoint"},

@@ -492,11 +492,37 @@ class ErrorTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, r"'ipython'.*version=\"3\.1\""):
             chat.encode_dialog_prompt([{"role": "ipython", "content": "42"}])
 
-    def test_non_str_content(self):
+    def test_content_that_is_neither_text_nor_parts(self):
         chat = ChatFormat(load_tokenizer("3"))
-        for content in (None, ["hi"], 42):
-            with self.subTest(content=content), self.assertRaisesRegex(ValueError, "content must be a str"):
+        for content in (None, 42, {"type": "text", "text": "hi"}):
+            with self.subTest(content=content), self.assertRaisesRegex(ValueError, "Content must be a str or a list"):
                 chat.encode_message({"role": "user", "content": content})
+        for content in (["hi"], [{"type": "text"}], [{"type": "text", "text": 3}], [{"type": "video", "video": b""}]):
+            with self.subTest(content=content), self.assertRaisesRegex(ValueError, "Content part 0 must be"):
+                chat.encode_message({"role": "user", "content": content})
+
+    def test_an_image_needs_the_vision_tokenizer(self):
+        chat = ChatFormat(load_tokenizer("3"))
+        with self.assertRaisesRegex(ValueError, r"Images need a Llama 3.2 Vision model.*version=\"3\.1\""):
+            chat.encode_message({"role": "user", "content": [{"type": "image", "image": b"..."}]})
+
+    def test_parts_are_written_as_llama_models_writes_them(self):
+        """Text parts as given (not stripped), each tokenized alone; an image as <|image|> (128011)."""
+        tokenizer = load_tokenizer("3.1")
+        parts = [{"type": "text", "text": " Look: "}, {"type": "image", "image": b""}, {"type": "text", "text": "ok"}]
+        tokens = ChatFormat(tokenizer).encode_message({"role": "user", "content": parts})
+        header = [
+            128006,
+            *tokenizer.encode("user", bos=False, eos=False),
+            128007,
+            *tokenizer.encode("\n\n", bos=False, eos=False),
+        ]
+        body = [
+            *tokenizer.encode(" Look: ", bos=False, eos=False),
+            128011,
+            *tokenizer.encode("ok", bos=False, eos=False),
+        ]
+        self.assertEqual(tokens, header + body + [128009])
 
 
 def reference_cuts(s: str, limit: int) -> list[int]:

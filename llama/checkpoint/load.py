@@ -43,6 +43,7 @@ from llama.runtime.cuda_graphs import decode_step_bytes
 from llama.runtime.quantized import quantize_layer
 from llama.tokenizer import Tokenizer, files
 from llama.tokenizer.gguf_vocab import is_gguf_file
+from llama.vision.model import LEARNABLE_EMBEDDINGS, CrossAttentionTransformer, VisionArgs, vision_args_from
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,8 @@ def load_model(
     quantize: Optional[str] = None,
     group_size: Optional[int] = None,
     bar_rank: Optional[int] = None,
-) -> Transformer:
+    vision: Optional[VisionArgs] = None,
+) -> Union[Transformer, CrossAttentionTransformer]:
     """The Transformer with this rank's weights, as Meta's code builds it (fairscale's layers), without a throwaway
     random initialisation: built on the meta device, then given the checkpoint's tensors, strictly.
 
@@ -136,11 +138,18 @@ def load_model(
     if saved:
         check_quantize_matches(quantize, saved[0], reader.ckpt_dir)
         quantize, group_size = saved
+    if vision is not None:
+        check_vision_model_parallel_size(vision, mp_size)
     with AllocateOnMeta():
-        model = Transformer(model_args)
+        model = CrossAttentionTransformer(model_args, vision) if vision else Transformer(model_args)
     expected_shapes = {key: tensor.shape for key, tensor in model.state_dict().items()}
     linear = (ColumnParallelLinear, RowParallelLinear)
-    stored = {name: {} for name, m in model.named_modules() if isinstance(m, linear)}  # name -> stored shapes
+    # name -> stored shapes, of the layers quantization applies to: a vision model's text model's (not its encoder's)
+    stored = {
+        name: {}
+        for name, m in model.named_modules()
+        if isinstance(m, linear) and (vision is None or name.startswith("text_model."))
+    }
     if saved:
         for name in set(stored) - reader.float_layers:
             layer = model.get_submodule(name)
@@ -218,6 +227,7 @@ def load_checkpoint(
     # Each step once, in order: what the checkpoint holds, where it runs, its tokenizer, the weights.
     reader = open_checkpoint(ckpt_dir)
     model_args, ignored = model_args_from(reader.params, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
+    vision = vision_args_from(reader.params, model_args.n_layers)
     if max_seq_len > model_args.context_len:
         raise ValueError(
             f"max_seq_len={max_seq_len} exceeds this checkpoint's context of {model_args.context_len} tokens"
@@ -258,12 +268,26 @@ def load_checkpoint(
             f"({tokenizer.n_words} tokens in {tokenizer_path}); use the tokenizer.model that came with it"
         )
     mp_rank = fs_init.get_model_parallel_rank()
-    model = load_model(reader, model_args, mp_rank, model_parallel_size, device, dtype, quantize, bar_rank=rank)
+    model = load_model(
+        reader, model_args, mp_rank, model_parallel_size, device, dtype, quantize, bar_rank=rank, vision=vision
+    )
     seconds = time.time() - start_time
     report = LoadReport(
         reader.format, device, dtype, quantize, bool(saved), model_parallel_size, seconds, reader.load_note()
     )
+    report.vision = vision is not None
     return model, tokenizer, report
+
+
+def check_vision_model_parallel_size(vision: VisionArgs, mp_size: int) -> None:
+    """Raise a ValueError when a vision model's encoder heads or image-token embeddings cannot be split `mp_size`
+    ways (its text model is checked as any text model is)."""
+    if vision.encoder.heads % mp_size or LEARNABLE_EMBEDDINGS % mp_size:
+        raise ValueError(
+            f"This vision model cannot be split over {mp_size} model-parallel processes: its encoder's "
+            f"{vision.encoder.heads} heads and its {LEARNABLE_EMBEDDINGS} image-token embeddings must divide evenly; "
+            "change --nproc_per_node (or model_parallel_size)"
+        )
 
 
 def check_quantize_matches(quantize: Optional[str], saved_scheme: str, ckpt_dir) -> None:

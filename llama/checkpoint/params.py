@@ -13,6 +13,7 @@ from llama.arguments import short_repr
 from llama.model import ModelArgs
 from llama.quantize import INT4_GROUP_SIZES, SCHEMES
 from llama.tokenizer import files
+from llama.vision.model import ENCODER_FIELDS, VISION_FIELDS
 
 HF_CONFIG = "config.json"
 META_PARAMS = "params.json"
@@ -157,7 +158,7 @@ def model_args_from(params: dict, **overrides) -> Tuple[ModelArgs, List[str]]:
     """ModelArgs for a checkpoint's params.json fields, and the fields that were ignored: those the model does not
     have, and `BUILD_FIELDS`."""
     known = {f.name for f in fields(ModelArgs)} - set(BUILD_FIELDS)
-    ignored = sorted(set(params) - known - {"tie_word_embeddings", "quantization"})
+    ignored = sorted(set(params) - known - {"tie_word_embeddings", "quantization", *VISION_FIELDS, *ENCODER_FIELDS})
     args = ModelArgs(**{k: v for k, v in params.items() if k in known}, **overrides)
     if args.head_dim % 2:
         raise ValueError(f"dim / n_heads = {args.head_dim} is odd; rotary embeddings turn a head's values in pairs")

@@ -30,6 +30,7 @@ class LoadReport:
     seconds: float
     note: Optional[str] = None  # the checkpoint's own word on its weights (`CheckpointReader.load_note`)
     kernels: Optional[str] = None  # the kernels the products run on (`llama.runtime.parallel_layers.kernels_in_use`)
+    vision: bool = False  # a Llama 3.2 Vision model (`llama.vision`): images and text in
 
     def __str__(self) -> str:
         layout = FORMAT_NAMES.get(self.format, self.format)
@@ -40,7 +41,9 @@ class LoadReport:
         dtype = str(self.dtype).removeprefix("torch.")
         kernels = f"\nKernels, by rows per call: {self.kernels}" if self.kernels else ""
         return (
-            f"Loaded in {self.seconds:.2f} seconds: {layout} checkpoint, device {self.device}, dtype {dtype}, "
+            f"Loaded in {self.seconds:.2f} seconds: {layout} checkpoint"
+            f"{' of a vision model (Llama 3.2 Vision: images and text in)' if self.vision else ''}, "
+            f"device {self.device}, dtype {dtype}, "
             f"{quantized}, model-parallel size {self.model_parallel_size}{f'; {self.note}' if self.note else ''}"
             f"{kernels}"
         )

@@ -15,9 +15,15 @@ from llama.os_memory import forget_file_pages
 
 # fairscale's layout: column-parallel layers (and the vocab-parallel embedding) split their weight along
 # dim 0, row-parallel layers along dim 1; everything else (the norms) is replicated on every rank.
-SPLIT_ON_DIM_0 = {"tok_embeddings", "output", "wq", "wk", "wv", "w1", "w3"}
-SPLIT_ON_DIM_1 = {"wo", "w2"}
-LINEAR_LAYERS = SPLIT_ON_DIM_0 - {"tok_embeddings"} | SPLIT_ON_DIM_1  # the ones `llama.quantize` quantizes
+TEXT_DIM_0 = {"tok_embeddings", "output", "wq", "wk", "wv", "w1", "w3"}
+TEXT_DIM_1 = {"wo", "w2"}
+LINEAR_LAYERS = TEXT_DIM_0 - {"tok_embeddings"} | TEXT_DIM_1  # the ones `llama.quantize` quantizes
+# Llama 3.2 Vision's other layers (`llama.vision`): the image-token embedding, the encoder's patch projection and
+# feed-forward layers (the biases of column-parallel layers split with their rows), and the projection to the text.
+VISION_DIM_0 = {"learnable_embedding", "_linear", "c_fc", "vision_projection"}
+VISION_DIM_1 = {"c_proj"}
+SPLIT_ON_DIM_0 = TEXT_DIM_0 | VISION_DIM_0
+SPLIT_ON_DIM_1 = TEXT_DIM_1 | VISION_DIM_1
 IGNORED_KEYS = {"rope.freqs"}  # a precomputed RoPE table some Meta checkpoints carry; we compute our own
 
 

@@ -6,6 +6,7 @@ from typing import Optional
 
 from llama.arguments import short_repr
 from llama.tokenizer.bpe import Tokenizer
+from llama.tokenizer.content import content_parts, encode_parts
 from llama.tokenizer.messages import ROLES, STOP_REASONS, STOP_TOKEN_REASONS, Dialog, Message, StopReason, ToolCall
 from llama.tokenizer.tool_calls import TOOL_PROMPT_FORMATS, check_tool_call, encode_tool_call, parse_tool_calls
 
@@ -77,7 +78,8 @@ class ChatFormat:
 
     def encode_message(self, message: Message) -> list[int]:
         """Encodes a message: its header, its content stripped of surrounding whitespace (unless `strip_content` is
-        False), then `<|eot_id|>`.
+        False), then `<|eot_id|>`. Content given as a list of parts is written as llama-models writes it: each text
+        part as given, each image part as `<|image|>` (Llama 3.2 Vision).
 
         An assistant message may carry `tool_calls` (Llama 3.1+). Each call is written after the content and
         tokenized on its own, as llama-models does: built-in search tools as `name.call(query="...")`, the code
@@ -91,20 +93,24 @@ class ChatFormat:
             list[int]: The message's token IDs.
 
         Raises:
-            ValueError: If the message has no role or content, the role is not allowed, the content is not a str,
-                or its tool calls or stop reason are malformed or need Llama 3.1 tokens.
+            ValueError: If the message has no role or content, the role is not allowed, the content is neither a
+                str nor a list of text and image parts (`llama.tokenizer.content`), or its tool calls or stop
+                reason are malformed or need Llama 3.1 tokens.
         """
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValueError(f"A message must be a dict with a 'role' and a 'content'; got {short_repr(message)}")
         tokens = self.encode_header(message)
         content = message["content"]
-        if not isinstance(content, str):
-            # ValueError, like every other malformed-message error, so callers catch one type.
-            raise ValueError(f"Message content must be a str, got {type(content).__name__}")  # noqa: TRY004
+        parts = content_parts(content)
         tool_calls, end_of_message = _check_assistant_fields(message, self.tokenizer.version)
         if tool_calls and tool_calls[0]["tool_name"] == "code_interpreter":
             tokens.append(self.tokenizer.special_tokens["<|python_tag|>"])
-        tokens.extend(self.tokenizer.encode(content.strip() if self.strip_content else content, bos=False, eos=False))
+        if isinstance(content, str):
+            tokens.extend(
+                self.tokenizer.encode(content.strip() if self.strip_content else content, bos=False, eos=False)
+            )
+        else:  # a list of parts, as llama-models writes them: each text as given, each image as <|image|>
+            tokens.extend(encode_parts(self.tokenizer, parts, bos=False))
         for call in tool_calls:
             tokens.extend(self.tokenizer.encode(encode_tool_call(call, self.tool_prompt_format), bos=False, eos=False))
         tokens.append(self.tokenizer.special_tokens["<|eom_id|>" if end_of_message else "<|eot_id|>"])

@@ -1,7 +1,7 @@
 """The shapes of chat messages and tool calls, as `ChatFormat` writes and reads them."""
 
 from collections.abc import Sequence
-from typing import Any, Literal, TypedDict, get_args
+from typing import Any, Literal, TypedDict, Union, get_args
 
 # "tool" is another name for "ipython" (a tool's output): both are written as ipython, as llama-models does.
 Role = Literal["system", "user", "assistant", "ipython", "tool"]
@@ -28,7 +28,7 @@ class ToolCall(_ToolCallFields, total=False):
 
 class _MessageFields(TypedDict):
     role: Role
-    content: str
+    content: Union[str, list[dict[str, Any]]]  # a str, or text and image parts (`llama.tokenizer.content`)
 
 
 class Message(_MessageFields, total=False):

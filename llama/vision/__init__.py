@@ -1,0 +1,1 @@
+"""Llama 3.2 Vision: images in, text out (docs/vision.md)."""

@@ -1,0 +1,207 @@
+"""Llama 3.2 Vision against Meta's own code: llama-models' `CrossAttentionTransformer` and its `Llama3` generator,
+on the same random checkpoint in Meta's layout, in float32, greedy. Each case is a chat the two must answer with
+the same tokens and log-probabilities: images of every tile arrangement, tiny and grayscale images, text before
+the image, two images, a later turn, and text only.
+
+Meta's encoder sizes are fixed in its code; most cases use a small encoder (this library's `vision_encoder_*`
+params fields, with Meta's classes built at the same sizes by the `small_encoder` patch), and one runs Meta's full
+encoder (1,280 wide, 32 + 8 layers)."""
+
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from meta_vision import meta_multimodal
+from PIL import Image
+
+from llama import Llama
+
+TEXT_PARAMS = {
+    "dim": 64,
+    "n_layers": 4,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "vocab_size": 128256,
+    "multiple_of": 32,
+    "ffn_dim_multiplier": None,
+    "norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "use_scaled_rope": True,
+    "vision_chunk_size": 28,
+    "vision_max_num_chunks": 4,
+    "vision_num_cross_attention_layers": 2,
+}
+SMALL_ENCODER = {
+    "vision_encoder_width": 32,
+    "vision_encoder_layers": 4,
+    "vision_encoder_heads": 2,
+    "vision_encoder_global_layers": 2,
+    "vision_encoder_intermediate_layers": [0, 2, 3],
+}
+MAX_SEQ_LEN = 128
+STEPS = 6  # greedy tokens compared per case
+LOGPROB_TOLERANCE = 1e-3
+
+
+def png(width: int, height: int, mode: str = "RGB", seed: int = 0) -> bytes:
+    """A PNG of random pixels."""
+    generator = torch.Generator().manual_seed(seed)
+    channels = {"RGB": 3, "L": 1, "RGBA": 4}[mode]
+    pixels = torch.randint(0, 256, (height, width, channels), generator=generator, dtype=torch.uint8)
+    image = Image.fromarray(pixels.squeeze(-1).numpy() if channels == 1 else pixels.numpy(), mode)
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def image(data: bytes) -> dict:
+    return {"type": "image", "image": data}
+
+
+def text(words: str) -> dict:
+    return {"type": "text", "text": words}
+
+
+# (name, dialog): each dialog a list of (role, parts)
+CASES = [
+    ("one tile", [("user", [image(png(20, 20)), text("What is this?")])]),
+    ("two tiles wide", [("user", [image(png(60, 25, seed=1)), text("Describe it.")])]),
+    ("two tiles high", [("user", [image(png(25, 60, seed=2)), text("Describe it.")])]),
+    ("three tiles", [("user", [image(png(90, 28, seed=3)), text("Describe it.")])]),
+    ("four tiles", [("user", [image(png(300, 280, seed=4)), text("Describe it.")])]),
+    ("tiny", [("user", [image(png(1, 3, seed=5)), text("What is this?")])]),
+    ("grayscale", [("user", [image(png(40, 30, "L", seed=6)), text("What is this?")])]),
+    ("rgba", [("user", [image(png(40, 30, "RGBA", seed=7)), text("What is this?")])]),
+    ("text first", [("user", [text("Look at this picture:"), image(png(50, 50, seed=8)), text("What is it?")])]),
+    ("two images", [("user", [image(png(30, 30, seed=9)), text("and"), image(png(60, 20, seed=10)), text("Same?")])]),
+    ("two images together", [("user", [image(png(30, 30, seed=9)), image(png(60, 20, seed=10)), text("Same?")])]),
+    (
+        "a later turn",
+        [
+            ("user", [image(png(50, 40, seed=11)), text("What is this?")]),
+            ("assistant", [text("A picture of noise.")]),
+            ("user", [text("Are you sure?")]),
+        ],
+    ),
+    ("text only", [("user", [text("What is the capital of France?")])]),
+]
+
+
+def write_checkpoint(folder: Path, params: dict) -> Path:
+    from llama.checkpoint import random_weights, write_meta_checkpoint
+
+    write_meta_checkpoint(folder, params, random_weights(params, seed=3))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("vision") / "small", {**TEXT_PARAMS, **SMALL_ENCODER})
+
+
+def small_encoder(monkeypatch, multimodal) -> None:
+    """Build Meta's vision classes at SMALL_ENCODER's sizes (its code fixes Meta's own)."""
+    encoder_init, vision_init = multimodal.VisionEncoder.__init__, multimodal.CrossAttentionTransformerVision.__init__
+    width = SMALL_ENCODER["vision_encoder_width"]
+    layers = SMALL_ENCODER["vision_encoder_intermediate_layers"]
+
+    def encoder(self, *args, **kwargs):
+        kwargs.update(
+            width=width,
+            layers=SMALL_ENCODER["vision_encoder_layers"],
+            heads=SMALL_ENCODER["vision_encoder_heads"],
+            n_global_layers=SMALL_ENCODER["vision_encoder_global_layers"],
+            return_intermediate=layers,
+        )
+        encoder_init(self, *args, **kwargs)
+
+    def vision(self, args):
+        vision_init(self, args)
+        self.vision_input_dim = width * (len(layers) + 1)
+        self.vision_projection = multimodal.ColumnParallelLinear(
+            self.vision_input_dim, args.dim, bias=True, init_method=lambda x: x
+        )
+
+    monkeypatch.setattr(multimodal.VisionEncoder, "__init__", encoder)
+    monkeypatch.setattr(multimodal.CrossAttentionTransformerVision, "__init__", vision)
+
+
+def meta_generator(checkpoint: Path, params: dict):
+    """llama-models' `Llama3` on the checkpoint, in float32 on the CPU (built as its `Llama3.build` builds it, without
+    the bfloat16 default tensor type that its checkpoint reader sets)."""
+    multimodal = meta_multimodal()
+    from llama_models.llama3.args import ModelArgs
+    from llama_models.llama3.generation import Llama3
+    from llama_models.llama3.tokenizer import Tokenizer
+
+    args = ModelArgs(max_seq_len=MAX_SEQ_LEN, max_batch_size=1, **params)
+    model = multimodal.CrossAttentionTransformer(args)
+    state_dict = torch.load(checkpoint / "consolidated.00.pth", map_location="cpu", weights_only=True)
+    model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+    model.setup_cache(1, device=torch.device("cpu"), dtype=torch.float32)
+    return Llama3(model.eval(), Tokenizer.get_instance(), args)
+
+
+def meta_answer(generator, dialog, stop_tokens) -> tuple:
+    """Meta's greedy tokens, up to STEPS and before a stop token, and their log-probabilities."""
+    from llama_models.datatypes import RawMediaItem, RawMessage, RawTextItem
+
+    def content(parts):
+        return [RawTextItem(text=p["text"]) if p["type"] == "text" else RawMediaItem(data=p["image"]) for p in parts]
+
+    messages = [RawMessage(role=role, content=content(parts)) for role, parts in dialog]
+    tokens, logprobs = [], []
+    for results in generator.chat_completion([messages], temperature=0, max_gen_len=STEPS, logprobs=True):
+        result = results[0]
+        if result.ignore_token:
+            continue
+        if result.token in stop_tokens:
+            break
+        tokens.append(result.token)
+        logprobs.append(result.logprobs[0])
+    return tokens, logprobs
+
+
+def our_answer(llama: Llama, dialog) -> tuple:
+    dialog = [{"role": role, "content": parts} for role, parts in dialog]
+    answer = llama.chat_completion([dialog], temperature=0, max_gen_len=STEPS, logprobs=True)[0]
+    return answer["tokens"], answer["logprobs"]
+
+
+def compare(llama: Llama, meta, dialog) -> float:
+    """Assert the same greedy tokens; return the largest log-probability difference."""
+    meta_tokens, meta_logprobs = meta_answer(meta, dialog, llama.tokenizer.stop_tokens)
+    tokens, logprobs = our_answer(llama, dialog)
+    assert tokens == [llama.tokenizer.decode([t]) for t in meta_tokens]
+    assert len(tokens) > 0
+    return max(abs(a - b) for a, b in zip(logprobs, meta_logprobs))
+
+
+@pytest.fixture(scope="module")
+def small_pair(small_checkpoint, tokenizer_path, process_group):
+    llama = Llama.build(
+        str(small_checkpoint), tokenizer_path, max_seq_len=MAX_SEQ_LEN, max_batch_size=1, device="cpu", dtype="float32"
+    )
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        small_encoder(monkeypatch, meta_multimodal())
+        meta = meta_generator(small_checkpoint, {**TEXT_PARAMS})
+    return llama, meta
+
+
+@pytest.mark.parametrize("name, dialog", CASES, ids=[name for name, _ in CASES])
+def test_answers_as_metas_code_does(small_pair, name, dialog):
+    llama, meta = small_pair
+    assert compare(llama, meta, dialog) < LOGPROB_TOLERANCE
+
+
+@pytest.mark.slow
+def test_metas_full_size_encoder_gives_the_same_answers(tmp_path, tokenizer_path, process_group):
+    checkpoint = write_checkpoint(tmp_path / "full", TEXT_PARAMS)
+    llama = Llama.build(
+        str(checkpoint), tokenizer_path, max_seq_len=MAX_SEQ_LEN, max_batch_size=1, device="cpu", dtype="float32"
+    )
+    meta = meta_generator(checkpoint, TEXT_PARAMS)
+    for name, dialog in CASES:
+        if name in ("four tiles", "text first", "two images"):
+            assert compare(llama, meta, dialog) < LOGPROB_TOLERANCE, name
