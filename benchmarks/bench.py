@@ -29,6 +29,14 @@ The decode roofline is the measured memory bandwidth (a large read) divided by t
 read at batch 1; on a shared machine the bandwidth changes from minute to minute, so each batch-1 decode run is
 followed at once by its own bandwidth read, and the share reached is the median over those pairs.
 
+With --vision, it measures Llama 3.2 11B Vision's reading of one image of 4 tiles of 560 pixels instead, on random
+weights at Meta's sizes, each library in a fresh process: this library's encoder and projection to the text width,
+then the image's keys and values in the text model's 8 cross-attention blocks; transformers' MllamaVisionModel and
+projector at its defaults, on the same shapes (its cross-attention computes the keys and values in the first
+forward of the text model, not timed here):
+
+    python benchmarks/bench.py --vision --dtypes bfloat16 float32 --rounds 3
+
 With --rounds N, every library is measured N times, round after round (each round runs every dtype and llama.cpp
 type once), so that a drift of the machine's memory speed falls on all of them alike: the table gives each figure's
 median over the rounds, and then each round's batch-1 decode, our speed against llama.cpp's and, for a quantized
@@ -81,6 +89,7 @@ LLAMA_CPP_TYPES = ("F16", "Q8_0", "Q4_0")
 DECODE_PROMPT = [128000] + list(range(1000, 1015))  # <|begin_of_text|> and 15 ordinary tokens
 REPEATS = 3
 ROOFLINE_PAIRS = 5  # batch-1 decode runs, each with its own bandwidth read
+VISION_REPEATS = 2  # --vision: timed runs of an image after the first, per round (one takes tens of seconds)
 # Environment variables that cap the instructions torch's kernel libraries use (ATen, oneDNN under either name,
 # fbgemm, MKL): with them set to AVX2 an AVX-512 CPU runs the kernels an AVX2 CPU runs.
 INSTRUCTION_CAPS = (
@@ -357,6 +366,88 @@ def worker_transformers(args) -> dict:
     return result
 
 
+# Llama 3.2 11B Vision's text model: the cross-attention blocks' sizes (the encoder's are Meta's fixed ones).
+VISION_TEXT = dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024)
+VISION_BLOCKS = 8
+
+
+def random_module(module, dtype):
+    """`module` in `dtype` with every parameter drawn from a normal distribution (the library's layers are built
+    without an initialisation: their memory would hold whatever it held)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    return module.to(dtype).eval()
+
+
+def worker_vision_llama(args) -> dict:
+    from datetime import timedelta
+
+    import torch
+
+    from llama.distributed import init_model_parallel
+    from llama.model import ModelArgs
+    from llama.vision.encoder import EncoderArgs, VisionModel
+    from llama.vision.model import CrossAttention
+
+    torch.set_num_threads(args.threads)
+    init_model_parallel(torch.device("cpu"), None, timedelta(seconds=60))
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    vision = random_module(VisionModel(EncoderArgs(tile_size=560), VISION_TEXT["dim"]), dtype)
+    blocks = [random_module(CrossAttention(ModelArgs(**VISION_TEXT)), dtype) for _ in range(VISION_BLOCKS)]
+    tiles = torch.randn(4, 3, 560, 560, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.inference_mode():
+        tokens = vision(tiles, 2, 2)
+        encoder_s = timed(lambda: vision(tiles, 2, 2), "cpu", VISION_REPEATS)
+        keys_values_s = timed(lambda: [block.image_keys_values(tokens) for block in blocks], "cpu", VISION_REPEATS)
+    return {"encoder_s": encoder_s, "keys_values_s": keys_values_s, "peak_mb": peak_memory_mb("cpu")}
+
+
+def worker_vision_transformers(args) -> dict:
+    import torch
+    from transformers import MllamaVisionConfig, MllamaVisionModel
+
+    torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    config = MllamaVisionConfig()
+    model = random_module(MllamaVisionModel(config), dtype)
+    projector = random_module(torch.nn.Linear(config.vision_output_dim, VISION_TEXT["dim"]), dtype)
+    pixels = torch.randn(1, 1, 4, 3, 560, 560, generator=torch.Generator().manual_seed(1)).to(dtype)
+    two_by_two = torch.tensor([[config.supported_aspect_ratios.index([2, 2]) + 1]])  # ids count from 1
+    mask = torch.ones(1, 1, 4, dtype=torch.long)
+
+    def encode():
+        return projector(model(pixel_values=pixels, aspect_ratio_ids=two_by_two, aspect_ratio_mask=mask)[0])
+
+    with torch.inference_mode():
+        encode()
+        return {"encoder_s": timed(encode, "cpu", VISION_REPEATS), "peak_mb": peak_memory_mb("cpu")}
+
+
+def vision_rounds(opts) -> None:
+    """--vision: each library's seconds per image, median of the rounds, in a table."""
+    results = {}
+    for _ in range(opts.rounds):
+        for dtype in opts.dtypes:
+            for library in ("vision-llama", "vision-transformers"):
+                log(f"{library} {dtype} ...")
+                result = run_worker(library, Path("-"), "1b", dtype, opts)
+                log(f"{library} {dtype}: {json.dumps(result)}")
+                results.setdefault((library, dtype), []).append(result)
+    print("| library | dtype | encoder + projection, s (runs) | keys and values, 8 blocks, s | peak MB |")
+    print("|---------|-------|--------------------------------|------------------------------|---------|")
+    for (library, dtype), runs in results.items():
+        encoder = [r["encoder_s"] for r in runs]
+        keys_values = [r["keys_values_s"] for r in runs if "keys_values_s" in r]
+        shown_kv = f"{median(keys_values):.2f}" if keys_values else "(in its text model)"
+        each = ", ".join(f"{e:.2f}" for e in encoder)
+        name, peak = library.removeprefix("vision-"), max(r["peak_mb"] for r in runs)
+        print(f"| {name} | {dtype} | {median(encoder):.2f} ({each}) | {shown_kv} | {peak:.0f} |")
+
+
 # llama.cpp's tensor names for Meta's, per layer and for the rest.
 
 
@@ -505,7 +596,15 @@ def main() -> None:
         help="a checkout of another commit: its llama against this one's, in the same rounds (no other library)",
     )
     # Internal: one measurement in a fresh process.
-    parser.add_argument("--worker", choices=["llama", "transformers", "llama.cpp"], help=argparse.SUPPRESS)
+    parser.add_argument("--vision", action="store_true", help="Llama 3.2 11B Vision's encoder, for one image")
+    workers = {
+        "llama": worker_llama,
+        "transformers": worker_transformers,
+        "llama.cpp": worker_llama_cpp,
+        "vision-llama": worker_vision_llama,
+        "vision-transformers": worker_vision_transformers,
+    }
+    parser.add_argument("--worker", choices=sorted(workers), help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     parser.add_argument("--prefill_lens", type=int, nargs="+", help=argparse.SUPPRESS)
@@ -513,8 +612,12 @@ def main() -> None:
     opts = parser.parse_args()
 
     if opts.worker:
-        workers = {"llama": worker_llama, "transformers": worker_transformers, "llama.cpp": worker_llama_cpp}
         print(json.dumps(workers[opts.worker](opts)))
+        return
+    if opts.vision:
+        log(machine(opts.threads))
+        opts.prefill_lens = PREFILL_LENS  # unused by its workers
+        vision_rounds(opts)
         return
 
     shapes = opts.shapes or (QUICK if opts.quick else GRID)

@@ -132,6 +132,37 @@ def make_checkpoint(out_dir, params=None, n_shards: int = 1, seed: int = 0) -> P
     return Path(out_dir)
 
 
+# A tiny Llama 3.2 Vision: TINY_PARAMS' text model in 4 layers, 2 of them after a cross-attention block, tiles of 28
+# pixels (4 patches), and a small encoder set by this library's own params fields (Meta's is 1,280 wide, 32 + 8 layers).
+VISION_PARAMS = {
+    **TINY_PARAMS,
+    "n_layers": 4,
+    "use_scaled_rope": True,
+    "vision_chunk_size": 28,
+    "vision_max_num_chunks": 4,
+    "vision_num_cross_attention_layers": 2,
+    "vision_encoder_width": 32,
+    "vision_encoder_layers": 4,
+    "vision_encoder_heads": 2,
+    "vision_encoder_global_layers": 2,
+    "vision_encoder_intermediate_layers": [0, 2, 3],
+}
+
+
+def png_bytes(width: int, height: int, mode: str = "RGB", seed: int = 0) -> bytes:
+    """A PNG file of random pixels, in `mode` ("RGB", "L" or "RGBA")."""
+    import io
+
+    from PIL import Image
+
+    channels = {"RGB": 3, "L": 1, "RGBA": 4}[mode]
+    pixels = torch.randint(0, 256, (height, width, channels), generator=torch.Generator().manual_seed(seed))
+    array = pixels.to(torch.uint8).numpy()
+    out = io.BytesIO()
+    Image.fromarray(array[..., 0] if channels == 1 else array, mode).save(out, format="PNG")
+    return out.getvalue()
+
+
 # Tiny models with a small vocabulary, for the model-math tests ------------------------------------------------
 
 ATOL = 1e-4  # float32 logits of the same weights may differ by rounding only

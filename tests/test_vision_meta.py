@@ -7,56 +7,25 @@ Meta's encoder sizes are fixed in its code; most cases use a small encoder (this
 params fields, with Meta's classes built at the same sizes by the `small_encoder` patch), and one runs Meta's full
 encoder (1,280 wide, 32 + 8 layers)."""
 
-import io
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import VISION_PARAMS, png_bytes
 from meta_vision import meta_multimodal
-from PIL import Image
 
 from llama import Llama
 
-TEXT_PARAMS = {
-    "dim": 64,
-    "n_layers": 4,
-    "n_heads": 4,
-    "n_kv_heads": 2,
-    "vocab_size": 128256,
-    "multiple_of": 32,
-    "ffn_dim_multiplier": None,
-    "norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "use_scaled_rope": True,
-    "vision_chunk_size": 28,
-    "vision_max_num_chunks": 4,
-    "vision_num_cross_attention_layers": 2,
-}
-SMALL_ENCODER = {
-    "vision_encoder_width": 32,
-    "vision_encoder_layers": 4,
-    "vision_encoder_heads": 2,
-    "vision_encoder_global_layers": 2,
-    "vision_encoder_intermediate_layers": [0, 2, 3],
-}
+TEXT_PARAMS = {key: value for key, value in VISION_PARAMS.items() if not key.startswith("vision_encoder_")}
+SMALL_ENCODER = {key: value for key, value in VISION_PARAMS.items() if key.startswith("vision_encoder_")}
 MAX_SEQ_LEN = 128
+MAX_BATCH_SIZE = 3
 STEPS = 6  # greedy tokens compared per case
 LOGPROB_TOLERANCE = 1e-3
 
 
-def png(width: int, height: int, mode: str = "RGB", seed: int = 0) -> bytes:
-    """A PNG of random pixels."""
-    generator = torch.Generator().manual_seed(seed)
-    channels = {"RGB": 3, "L": 1, "RGBA": 4}[mode]
-    pixels = torch.randint(0, 256, (height, width, channels), generator=generator, dtype=torch.uint8)
-    image = Image.fromarray(pixels.squeeze(-1).numpy() if channels == 1 else pixels.numpy(), mode)
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
-def image(data: bytes) -> dict:
-    return {"type": "image", "image": data}
+def image(width: int, height: int, mode: str = "RGB", seed: int = 0) -> dict:
+    return {"type": "image", "image": png_bytes(width, height, mode, seed)}
 
 
 def text(words: str) -> dict:
@@ -65,21 +34,27 @@ def text(words: str) -> dict:
 
 # (name, dialog): each dialog a list of (role, parts)
 CASES = [
-    ("one tile", [("user", [image(png(20, 20)), text("What is this?")])]),
-    ("two tiles wide", [("user", [image(png(60, 25, seed=1)), text("Describe it.")])]),
-    ("two tiles high", [("user", [image(png(25, 60, seed=2)), text("Describe it.")])]),
-    ("three tiles", [("user", [image(png(90, 28, seed=3)), text("Describe it.")])]),
-    ("four tiles", [("user", [image(png(300, 280, seed=4)), text("Describe it.")])]),
-    ("tiny", [("user", [image(png(1, 3, seed=5)), text("What is this?")])]),
-    ("grayscale", [("user", [image(png(40, 30, "L", seed=6)), text("What is this?")])]),
-    ("rgba", [("user", [image(png(40, 30, "RGBA", seed=7)), text("What is this?")])]),
-    ("text first", [("user", [text("Look at this picture:"), image(png(50, 50, seed=8)), text("What is it?")])]),
-    ("two images", [("user", [image(png(30, 30, seed=9)), text("and"), image(png(60, 20, seed=10)), text("Same?")])]),
-    ("two images together", [("user", [image(png(30, 30, seed=9)), image(png(60, 20, seed=10)), text("Same?")])]),
+    ("one tile", [("user", [image(20, 20), text("What is this?")])]),
+    ("two tiles wide", [("user", [image(60, 25, seed=1), text("Describe it.")])]),
+    ("two tiles high", [("user", [image(25, 60, seed=2), text("Describe it.")])]),
+    ("three tiles", [("user", [image(90, 28, seed=3), text("Describe it.")])]),
+    ("four tiles", [("user", [image(300, 280, seed=4), text("Describe it.")])]),
+    ("tiny", [("user", [image(1, 3, seed=5), text("What is this?")])]),
+    ("grayscale", [("user", [image(40, 30, "L", seed=6), text("What is this?")])]),
+    ("rgba", [("user", [image(40, 30, "RGBA", seed=7), text("What is this?")])]),
+    ("text first", [("user", [text("Look at this picture:"), image(50, 50, seed=8), text("What is it?")])]),
+    (
+        "two images",
+        [("user", [image(30, 30, seed=9), text("and"), image(60, 20, seed=10), text("Same?")])],
+    ),
+    (
+        "two images together",
+        [("user", [image(30, 30, seed=9), image(60, 20, seed=10), text("Same?")])],
+    ),
     (
         "a later turn",
         [
-            ("user", [image(png(50, 40, seed=11)), text("What is this?")]),
+            ("user", [image(50, 40, seed=11), text("What is this?")]),
             ("assistant", [text("A picture of noise.")]),
             ("user", [text("Are you sure?")]),
         ],
@@ -135,32 +110,49 @@ def meta_generator(checkpoint: Path, params: dict):
     from llama_models.llama3.generation import Llama3
     from llama_models.llama3.tokenizer import Tokenizer
 
-    args = ModelArgs(max_seq_len=MAX_SEQ_LEN, max_batch_size=1, **params)
+    args = ModelArgs(max_seq_len=MAX_SEQ_LEN, max_batch_size=MAX_BATCH_SIZE, **params)
     model = multimodal.CrossAttentionTransformer(args)
     state_dict = torch.load(checkpoint / "consolidated.00.pth", map_location="cpu", weights_only=True)
     model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
-    model.setup_cache(1, device=torch.device("cpu"), dtype=torch.float32)
+    model.setup_cache(MAX_BATCH_SIZE, device=torch.device("cpu"), dtype=torch.float32)
     return Llama3(model.eval(), Tokenizer.get_instance(), args)
+
+
+def meta_content(parts: list) -> list:
+    from llama_models.datatypes import RawMediaItem, RawTextItem
+
+    return [RawTextItem(text=p["text"]) if p["type"] == "text" else RawMediaItem(data=p["image"]) for p in parts]
+
+
+def meta_results(steps, batch_size: int, stop_tokens) -> list:
+    """Per prompt, Meta's generated tokens, before a stop token, and their log-probabilities, from the results its
+    generator yields step by step."""
+    answers = [([], []) for _ in range(batch_size)]
+    stopped = [False] * batch_size
+    for results in steps:
+        for result in results:
+            index = result.batch_idx
+            if result.ignore_token or stopped[index]:
+                continue
+            if result.token in stop_tokens:
+                stopped[index] = True
+                continue
+            answers[index][0].append(result.token)
+            answers[index][1].append(result.logprobs[0])
+    return answers
 
 
 def meta_answer(generator, dialog, stop_tokens) -> tuple:
     """Meta's greedy tokens, up to STEPS and before a stop token, and their log-probabilities."""
-    from llama_models.datatypes import RawMediaItem, RawMessage, RawTextItem
+    return meta_answers(generator, [dialog], stop_tokens)[0]
 
-    def content(parts):
-        return [RawTextItem(text=p["text"]) if p["type"] == "text" else RawMediaItem(data=p["image"]) for p in parts]
 
-    messages = [RawMessage(role=role, content=content(parts)) for role, parts in dialog]
-    tokens, logprobs = [], []
-    for results in generator.chat_completion([messages], temperature=0, max_gen_len=STEPS, logprobs=True):
-        result = results[0]
-        if result.ignore_token:
-            continue
-        if result.token in stop_tokens:
-            break
-        tokens.append(result.token)
-        logprobs.append(result.logprobs[0])
-    return tokens, logprobs
+def meta_answers(generator, dialogs, stop_tokens) -> list:
+    from llama_models.datatypes import RawMessage
+
+    batch = [[RawMessage(role=role, content=meta_content(parts)) for role, parts in dialog] for dialog in dialogs]
+    steps = generator.chat_completion(batch, temperature=0, max_gen_len=STEPS, logprobs=True)
+    return meta_results(steps, len(dialogs), stop_tokens)
 
 
 def our_answer(llama: Llama, dialog) -> tuple:
@@ -181,7 +173,12 @@ def compare(llama: Llama, meta, dialog) -> float:
 @pytest.fixture(scope="module")
 def small_pair(small_checkpoint, tokenizer_path, process_group):
     llama = Llama.build(
-        str(small_checkpoint), tokenizer_path, max_seq_len=MAX_SEQ_LEN, max_batch_size=1, device="cpu", dtype="float32"
+        str(small_checkpoint),
+        tokenizer_path,
+        max_seq_len=MAX_SEQ_LEN,
+        max_batch_size=MAX_BATCH_SIZE,
+        device="cpu",
+        dtype="float32",
     )
     with pytest.MonkeyPatch.context() as monkeypatch:
         small_encoder(monkeypatch, meta_multimodal())
@@ -199,9 +196,49 @@ def test_answers_as_metas_code_does(small_pair, name, dialog):
 def test_metas_full_size_encoder_gives_the_same_answers(tmp_path, tokenizer_path, process_group):
     checkpoint = write_checkpoint(tmp_path / "full", TEXT_PARAMS)
     llama = Llama.build(
-        str(checkpoint), tokenizer_path, max_seq_len=MAX_SEQ_LEN, max_batch_size=1, device="cpu", dtype="float32"
+        str(checkpoint),
+        tokenizer_path,
+        max_seq_len=MAX_SEQ_LEN,
+        max_batch_size=MAX_BATCH_SIZE,
+        device="cpu",
+        dtype="float32",
     )
     meta = meta_generator(checkpoint, TEXT_PARAMS)
     for name, dialog in CASES:
         if name in ("four tiles", "text first", "two images"):
             assert compare(llama, meta, dialog) < LOGPROB_TOLERANCE, name
+
+
+def test_a_batch_answers_as_metas_code_does(small_pair):
+    """One image, text only and two images in one batch: Meta's code runs the text-only row through the
+    cross-attention too, with every position masked (its output dropped), as ours does."""
+    llama, meta = small_pair
+    named = dict(CASES)
+    dialogs = [named["one tile"], named["text only"], named["two images"]]
+    expected = meta_answers(meta, dialogs, llama.tokenizer.stop_tokens)
+    answers = llama.chat_completion(
+        [[{"role": role, "content": parts} for role, parts in dialog] for dialog in dialogs],
+        temperature=0,
+        max_gen_len=STEPS,
+        logprobs=True,
+    )
+    for answer, (tokens, logprobs) in zip(answers, expected):
+        # llama-models decodes every row up to the longest prompt plus max_gen_len; Meta's llama3 API, ours, cuts
+        # each row at its own prompt plus max_gen_len.
+        tokens = tokens[:STEPS]
+        assert answer["tokens"] == [llama.tokenizer.decode([t]) for t in tokens]
+        assert max(abs(a - b) for a, b in zip(answer["logprobs"], logprobs)) < LOGPROB_TOLERANCE
+
+
+@pytest.mark.parametrize("first", ["image", "text"])
+def test_completes_text_and_image_parts_as_metas_code_does(small_pair, first):
+    """`text_completion` of a list of parts: Meta's `completion` of the same content (<|begin_of_text|>, then the
+    parts in order)."""
+    llama, meta = small_pair
+    parts = [image(40, 40, seed=12), text("A photo of")]
+    parts = parts if first == "image" else parts[::-1]
+    steps = meta.completion([meta_content(parts)], temperature=0, max_gen_len=STEPS, logprobs=True)
+    [(tokens, logprobs)] = meta_results(steps, 1, llama.tokenizer.stop_tokens)
+    [answer] = llama.text_completion([parts], temperature=0, max_gen_len=STEPS, logprobs=True)
+    assert answer["tokens"] == [llama.tokenizer.decode([t]) for t in tokens]
+    assert max(abs(a - b) for a, b in zip(answer["logprobs"], logprobs)) < LOGPROB_TOLERANCE

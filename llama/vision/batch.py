@@ -17,7 +17,8 @@ from llama.vision.encoder import MAX_TILES
 from llama.vision.images import image_tiles, open_image
 from llama.vision.model import IMAGE_TOKEN_ID, CrossAttentionTransformer
 
-# The most images one prompt may hold: the concurrent images Meta's code was written for.
+# The most images one prompt may hold, a limit of this library's: each costs its keys and values in every
+# cross-attention block, 200 MiB a sequence in 11B (docs/vision.md), and Meta's code sets none.
 MAX_IMAGES = 4
 
 
@@ -63,6 +64,7 @@ class BatchImages:
         return mask * sees_image, sees_image
 
 
+@torch.inference_mode()
 def batch_images(
     model: CrossAttentionTransformer, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[Image.Image]]
 ) -> Optional[BatchImages]:
@@ -92,8 +94,8 @@ def batch_images(
         keys_values.append(torch.zeros(shape, dtype=text_model.tok_embeddings.weight.dtype, device=device))
     for i, (tokens, row) in enumerate(zip(prompts, images)):
         for j, (image, (start, end)) in enumerate(zip(row, image_spans(tokens))):
-            image_tiles_, (tiles_high, tiles_wide) = image_tiles(image, encoder.tile_size, model.vision.max_tiles)
-            tokens_of_image = model.image_tokens(image_tiles_, tiles_high, tiles_wide)
+            its_tiles, (tiles_high, tiles_wide) = image_tiles(image, encoder.tile_size, model.vision.max_tiles)
+            tokens_of_image = model.image_tokens(its_tiles, tiles_high, tiles_wide)
             starts[i, j], ends[i, j] = start, model.params.max_seq_len if end is None else end
             tiles[i, j] = tiles_high * tiles_wide
             for block, stacked in zip(text_model.cross_attention_layers, keys_values):

@@ -81,7 +81,7 @@ def vision_args_from(params: dict, n_layers: int) -> Optional[VisionArgs]:
 
 def fusion_schedule(n_layers: int, cross_attention_layers: int) -> List[int]:
     """The text layers that a cross-attention block runs before: spread evenly, counted from the last layer (Meta's
-    schedule: 3, 8, 13, ..., 38 for 11B's 40 layers and 8 blocks)."""
+    schedule: 3, 7, 11, ..., 31 for 11B's 32 layers and 8 blocks)."""
     step = math.ceil(n_layers / cross_attention_layers)
     return list(range(n_layers))[::-1][::step][:cross_attention_layers][::-1]
 

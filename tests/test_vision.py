@@ -1,0 +1,279 @@
+"""Llama 3.2 Vision through the API, beyond what Meta's code checks (tests/test_vision_meta.py): bad images and
+misuse get a ValueError that says what to change, the chat format places <|image|> as llama-models' does, streams
+give the calls' text, a call without images after one with them is a text-only call, and model parallelism over
+two processes gives one process's answers."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import VISION_PARAMS, png_bytes, with_repo
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from llama import Llama
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("vision_worker.py")
+STEPS = 6
+
+
+def dialog_with(*parts) -> list:
+    return [{"role": "user", "content": list(parts)}]
+
+
+def image(data) -> dict:
+    return {"type": "image", "image": data}
+
+
+def text(words: str) -> dict:
+    return {"type": "text", "text": words}
+
+
+@pytest.fixture(scope="module")
+def vision_checkpoint(tmp_path_factory) -> Path:
+    from helpers import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("vision") / "ckpt", VISION_PARAMS, seed=3)
+
+
+@pytest.fixture(scope="module")
+def vision_llama(vision_checkpoint, tokenizer_path, process_group) -> Llama:
+    return Llama.build(
+        str(vision_checkpoint), tokenizer_path, max_seq_len=128, max_batch_size=2, device="cpu", dtype="float32"
+    )
+
+
+def greedy(llama: Llama, dialog) -> dict:
+    return llama.chat_completion([dialog], temperature=0, max_gen_len=STEPS, logprobs=True)[0]
+
+
+def test_the_load_report_names_a_vision_model(vision_llama, tiny_llama):
+    assert "vision model" in str(vision_llama.load_report)
+    assert "vision" not in str(tiny_llama.load_report)
+
+
+def test_a_text_model_given_an_image_says_so(tiny_checkpoint, tokenizer_path, process_group):
+    for version, message in (("3.1", "takes no images"), ("3", "Images need a Llama 3.2 Vision model")):
+        llama = Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=64, device="cpu", version=version)
+        with pytest.raises(ValueError, match=message):
+            llama.chat_completion([dialog_with(image(png_bytes(8, 8)), text("Hi"))], max_gen_len=2)
+        with pytest.raises(ValueError, match=message):
+            llama.text_completion([[image(png_bytes(8, 8)), text("Hi")]], max_gen_len=2)
+
+
+def test_the_image_shapes_a_user_gives_give_one_answer(vision_llama, tmp_path):
+    """A PIL image, the file's bytes and its path (str or Path) are the same image."""
+    data = png_bytes(40, 30, seed=1)
+    path = tmp_path / "picture.png"
+    path.write_bytes(data)
+    answers = [
+        greedy(vision_llama, dialog_with(image(source), text("What is it?")))
+        for source in (data, Image.open(io.BytesIO(data)), str(path), path)
+    ]
+    assert all(answer == answers[0] for answer in answers[1:])
+
+
+def test_the_image_changes_the_answer(vision_llama):
+    """The cross-attention reads the image: two images give two answers (random weights, nonzero gates)."""
+    first = greedy(vision_llama, dialog_with(image(png_bytes(40, 30, seed=1)), text("What is it?")))
+    second = greedy(vision_llama, dialog_with(image(png_bytes(40, 30, seed=2)), text("What is it?")))
+    assert first["logprobs"] != second["logprobs"]
+
+
+def test_a_call_without_images_after_one_with_them_sees_none(vision_llama, vision_checkpoint, tokenizer_path):
+    dialog = dialog_with(text("What is the capital of France?"))
+    fresh = Llama.build(
+        str(vision_checkpoint), tokenizer_path, max_seq_len=128, max_batch_size=2, device="cpu", dtype="float32"
+    )
+    expected = greedy(fresh, dialog)
+    greedy(vision_llama, dialog_with(image(png_bytes(40, 30)), text("What is it?")))
+    assert greedy(vision_llama, dialog) == expected
+    tokens = vision_llama.formatter.encode_dialog_prompt(dialog)
+    assert vision_llama.generate([tokens], STEPS, temperature=0)[0][0] == fresh.generate([tokens], STEPS, 0)[0][0]
+
+
+def test_streams_give_the_calls_text(vision_llama):
+    dialog = dialog_with(image(png_bytes(60, 25, seed=4)), text("Describe it."))
+    answer = vision_llama.chat_completion([dialog], temperature=0, max_gen_len=STEPS)[0]
+    chunks = vision_llama.chat_completion_stream([dialog], temperature=0, max_gen_len=STEPS)
+    assert "".join(chunk.text for chunk in chunks) == answer["generation"]["content"]
+    prompt = [image(png_bytes(60, 25, seed=4)), text("A photo of")]
+    completion = vision_llama.text_completion([prompt], temperature=0, max_gen_len=STEPS)[0]["generation"]
+    chunks = vision_llama.text_completion_stream([prompt], temperature=0, max_gen_len=STEPS)
+    assert "".join(chunk.text for chunk in chunks) == completion
+
+
+def test_the_chat_format_places_images_as_llama_models_does(vision_llama):
+    """Token for token llama-models' `ChatFormat.encode_dialog_prompt`, whose model input holds 128256 where the
+    prompt has <|image|> (128011; our model maps it to the same embedding row)."""
+    from llama_models.datatypes import RawMediaItem, RawMessage, RawTextItem
+    from llama_models.llama3.chat_format import ChatFormat
+    from llama_models.llama3.tokenizer import Tokenizer
+
+    data = png_bytes(8, 8)
+    dialog = [
+        {"role": "system", "content": [text("Be brief.")]},
+        {"role": "user", "content": [text(" Look: "), image(data), image(data), text("and this "), image(data)]},
+        {"role": "assistant", "content": [text("Three pictures.")]},
+        {"role": "user", "content": [image(data), text("Again?")]},
+    ]
+    meta_dialog = [
+        RawMessage(
+            role=m["role"],
+            content=[
+                RawTextItem(text=p["text"]) if p["type"] == "text" else RawMediaItem(data=data) for p in m["content"]
+            ],
+        )
+        for m in dialog
+    ]
+    expected = ChatFormat(Tokenizer.get_instance()).encode_dialog_prompt(meta_dialog).tokens
+    ours = vision_llama.formatter.encode_dialog_prompt(dialog)
+    assert [128256 if token == 128011 else token for token in ours] == expected
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        (b"not an image at all", "not an image file"),
+        (png_bytes(40, 30)[:60], "truncated|damaged"),
+        (b"", "not an image file"),
+        (42, "takes a PIL image"),
+        ("/no/such/picture.png", "No image file"),
+    ],
+    ids=["not an image", "truncated", "empty", "a number", "a missing path"],
+)
+def test_a_bad_image_gets_an_error_that_names_it(vision_llama, source, message):
+    error = FileNotFoundError if isinstance(source, str) else ValueError
+    with pytest.raises(error, match=message):
+        vision_llama.chat_completion([dialog_with(image(source), text("What is it?"))], max_gen_len=2)
+
+
+def test_more_images_than_a_prompt_may_hold_are_refused(vision_llama):
+    parts = [image(png_bytes(8, 8, seed=i)) for i in range(5)] + [text("Which is red?")]
+    with pytest.raises(ValueError, match="at most 4"):
+        vision_llama.chat_completion([dialog_with(*parts)], max_gen_len=2)
+
+
+def test_a_malformed_part_is_named(vision_llama):
+    with pytest.raises(ValueError, match="Content part 1 must be"):
+        vision_llama.chat_completion([dialog_with(text("Hi"), {"type": "image_url", "url": "x"})], max_gen_len=2)
+    with pytest.raises(ValueError, match="Prompt 0: Content part 0 must be"):
+        vision_llama.text_completion([[{"type": "image"}]], max_gen_len=2)
+
+
+@pytest.mark.parametrize("option", [{"prefix_cache": True}, {"draft": "lookup"}, {"compile": True}])
+def test_options_a_vision_model_does_not_have_are_refused(vision_checkpoint, tokenizer_path, process_group, option):
+    with pytest.raises(ValueError, match="not available with a Llama 3.2 Vision model"):
+        Llama.build(str(vision_checkpoint), tokenizer_path, max_seq_len=64, device="cpu", **option)
+
+
+@settings(max_examples=25)
+@given(data=st.binary(max_size=200))
+def test_hostile_image_bytes_give_an_answer_or_a_value_error(vision_llama, data):
+    try:
+        vision_llama.chat_completion([dialog_with(image(data), text("What is it?"))], max_gen_len=1)
+    except ValueError:
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("shards", [1, 2])
+def test_two_processes_answer_as_one(vision_llama, tmp_path, tokenizer_path, shards):
+    """`torchrun --nproc_per_node 2`: the encoder, the cross-attention and the text model split over two processes
+    (a one-shard checkpoint resharded, or two shards) give one process's greedy tokens."""
+    from helpers import make_checkpoint
+
+    checkpoint = make_checkpoint(tmp_path / "ckpt", VISION_PARAMS, n_shards=shards, seed=3)
+    out = tmp_path / "answers"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=with_repo(REPO))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
+    done = subprocess.run(
+        [*command, str(checkpoint), tokenizer_path, str(out)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = [greedy(vision_llama, dialog) for dialog in worker_dialogs()]
+    for rank in range(2):
+        answers = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        for answer, one_process in zip(answers, expected):
+            assert answer["tokens"] == one_process["tokens"]
+            assert max(abs(a - b) for a, b in zip(answer["logprobs"], one_process["logprobs"])) < 1e-4
+
+
+def worker_dialogs() -> list:
+    sys.path.insert(0, str(WORKER.parent))
+    from vision_worker import DIALOGS
+
+    return DIALOGS
+
+
+def test_bfloat16_computes_what_float32_does(vision_llama, vision_checkpoint, tokenizer_path, process_group):
+    """In bfloat16 the tiles, the encoder and the cross-attention run in bfloat16 too: the next token's
+    log-probabilities stay within bfloat16's rounding of float32's."""
+    from llama.vision.batch import show_images
+
+    half = Llama.build(str(vision_checkpoint), tokenizer_path, max_seq_len=64, device="cpu", dtype="bfloat16")
+    dialog = dialog_with(image(png_bytes(60, 40)), text("What is it?"))
+    tokens = vision_llama.formatter.encode_dialog_prompt(dialog)
+    logprobs = []
+    for llama in (vision_llama, half):
+        show_images(llama.model, [tokens], [[png_bytes(60, 40)]])
+        logits = llama.model.text_model.forward(torch.tensor([tokens]), 0)[0, -1]
+        logprobs.append(torch.log_softmax(logits.float(), dim=-1))
+        show_images(llama.model, [tokens], [])
+    assert half.model.text_model.tok_embeddings.weight.dtype == torch.bfloat16
+    assert (logprobs[0] - logprobs[1]).abs().max() < 0.1
+
+
+@pytest.mark.slow
+def test_the_example_completes_a_prompt_with_an_image(vision_checkpoint, tokenizer_path, tmp_path):
+    from test_command_line import run
+
+    picture = tmp_path / "dog.png"
+    picture.write_bytes(png_bytes(50, 40))
+    flags = ["--ckpt_dir", vision_checkpoint, "--tokenizer_path", tokenizer_path, "--temperature", "0"]
+    result = run("example_vision_completion.py", *flags, "--image_path", picture, "--max_gen_len", "4")
+    assert result.returncode == 0, result.stderr
+    assert "of a vision model" in result.stdout
+    assert "<dog.png> If I had to write a haiku for this one\n> " in result.stdout
+    assert result.stdout.count("\n> ") == 2
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"no image here")
+    result = run("example_vision_completion.py", *flags, "--image_path", broken)
+    assert result.returncode == 2 and "Loaded" not in result.stdout
+    assert result.stderr.startswith("error: The file") and "not an image file" in result.stderr
+
+
+# KL divergence of the next token's distribution from float32's (this checkpoint: bfloat16 7e-5, int8 2.5e-4, int4 0.03)
+@pytest.mark.parametrize("scheme, tolerance", [("int8", 1e-3), ("int4", 0.1)])
+def test_quantize_keeps_the_text_model_s_layers_in_few_bits(
+    vision_llama, vision_checkpoint, tokenizer_path, process_group, scheme, tolerance
+):
+    """`quantize=` quantizes the text model's linear layers, the cross-attention blocks' among them, and leaves the
+    encoder in floating point; the next token's distribution stays near float32's."""
+    from llama.runtime.quantized import QuantizedLinear
+    from llama.vision.batch import show_images
+
+    quantized = Llama.build(str(vision_checkpoint), tokenizer_path, max_seq_len=64, device="cpu", quantize=scheme)
+    text_model, encoder = quantized.model.text_model, quantized.model.vision_model.vision_encoder
+    assert isinstance(text_model.layers[0].attention.wq, QuantizedLinear)
+    assert isinstance(text_model.cross_attention_layers[0].attention.wk, QuantizedLinear)
+    assert isinstance(text_model.output, QuantizedLinear)
+    assert not any(isinstance(m, QuantizedLinear) for m in quantized.model.vision_model.modules())
+    assert encoder.transformer.resblocks[0].attn.wq.weight.dtype == torch.bfloat16
+    dialog = dialog_with(image(png_bytes(60, 40)), text("What is it?"))
+    tokens = vision_llama.formatter.encode_dialog_prompt(dialog)
+    logprobs = []
+    for llama in (vision_llama, quantized):
+        show_images(llama.model, [tokens], [[png_bytes(60, 40)]])
+        logits = llama.model.text_model.forward(torch.tensor([tokens]), 0)[0, -1]
+        logprobs.append(torch.log_softmax(logits.float(), dim=-1))
+    assert (logprobs[0].exp() * (logprobs[0] - logprobs[1])).sum() < tolerance
