@@ -412,7 +412,7 @@ def worker_vision_transformers(args) -> dict:
 
     torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    config = MllamaVisionConfig()
+    config = MllamaVisionConfig(image_size=560)  # its default is 448; Llama 3.2 Vision's is 560
     model = random_module(MllamaVisionModel(config), dtype)
     projector = random_module(torch.nn.Linear(config.vision_output_dim, VISION_TEXT["dim"]), dtype)
     pixels = torch.randn(1, 1, 4, 3, 560, 560, generator=torch.Generator().manual_seed(1)).to(dtype)

@@ -277,3 +277,13 @@ def test_quantize_keeps_the_text_model_s_layers_in_few_bits(
         logits = llama.model.text_model.forward(torch.tensor([tokens]), 0)[0, -1]
         logprobs.append(torch.log_softmax(logits.float(), dim=-1))
     assert (logprobs[0].exp() * (logprobs[0] - logprobs[1])).sum() < tolerance
+
+
+@pytest.mark.slow
+def test_the_server_refuses_a_vision_model_before_loading(vision_checkpoint, tokenizer_path):
+    command = [sys.executable, "-m", "llama", "serve", str(vision_checkpoint), "--tokenizer_path", tokenizer_path]
+    env = dict(os.environ, PYTHONPATH=with_repo(REPO))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2
+    assert "does not serve yet" in done.stderr and "Traceback" not in done.stderr
+    assert "Serving" not in done.stdout

@@ -81,6 +81,17 @@ def missing_dependencies() -> List[str]:
     return missing
 
 
+def refuse_vision_models(ckpt_dir) -> None:
+    """A ValueError, before anything loads, for a Llama 3.2 Vision checkpoint: the engine runs text models only."""
+    from llama.checkpoint import open_checkpoint
+
+    if open_checkpoint(ckpt_dir).params.get("vision_chunk_size", -1) != -1:
+        raise ValueError(
+            f"{ckpt_dir} is a Llama 3.2 Vision model, which `llama serve` does not serve yet; run it through the "
+            "Python API or `llama chat` (docs/vision.md)"
+        )
+
+
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
     """Load the checkpoint and serve it until Ctrl-C or SIGTERM (`llama serve` runs this too)."""
     args = parse_args(argv, prog)
@@ -98,6 +109,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
     from llama.serve.engine_plan import PlanChannel, follow_plans
 
     with user_errors(vars(args)):
+        refuse_vision_models(args.ckpt_dir)
         generator = build_from_flags(args)
     channel = PlanChannel() if several_processes() else None
     decode_step = generator.decode_step  # compiled, or CUDA graphs; None: the eager step
