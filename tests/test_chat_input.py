@@ -52,9 +52,8 @@ def chat(llama, *lines):
 def test_unknown_commands_are_answered_with_the_list_not_sent(tiny_llama):
     out = chat(tiny_llama, "/exti", "/foo", "/HELP please", "/exit")
     assert "Assistant: " not in out
-    assert (
-        "[unknown command /exti. Did you mean /exit? The commands: /help, /reset, /system, /save, /load, /exit]" in out
-    )
+    commands = "/help, /reset, /system, /save, /load, /image, /exit"
+    assert f"[unknown command /exti. Did you mean /exit? The commands: {commands}]" in out
     assert "[unknown command /foo. The commands: " in out
     assert "[unknown command /HELP. Did you mean /help?" in out
 

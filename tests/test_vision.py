@@ -287,3 +287,13 @@ def test_the_server_refuses_a_vision_model_before_loading(vision_checkpoint, tok
     assert done.returncode == 2
     assert "does not serve yet" in done.stderr and "Traceback" not in done.stderr
     assert "Serving" not in done.stdout
+
+
+def test_conversions_for_text_models_only_refuse_a_vision_model(vision_checkpoint, tmp_path):
+    from llama.checkpoint.convert import quantize_checkpoint, to_gguf
+
+    with pytest.raises(ValueError, match="Llama 3.2 Vision model, which cannot be quantized once"):
+        quantize_checkpoint(vision_checkpoint, tmp_path / "int8", "int8")
+    with pytest.raises(ValueError, match="Llama 3.2 Vision model, which cannot be written as GGUF"):
+        to_gguf(vision_checkpoint, tmp_path / "model.gguf")
+    assert not (tmp_path / "int8").exists() and not (tmp_path / "model.gguf").exists()

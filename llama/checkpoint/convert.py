@@ -37,15 +37,19 @@ from llama.checkpoint import (
 )
 from llama.checkpoint.gguf_file import GGUFCheckpoint
 from llama.checkpoint.gguf_write import GGUF_TYPES, write_gguf
+from llama.checkpoint.hf_mllama import MllamaWriter
+from llama.checkpoint.load import check_vision_model_parallel_size
 from llama.checkpoint.quantized import SAVED_DTYPE, quantize_for_saving, saved_shapes
 from llama.checkpoint.report import weights_bar
 from llama.quantize import check_group_size, check_scheme
 from llama.tokenizer.gguf_vocab import is_gguf_file
+from llama.vision.model import vision_args_from
 
 
 def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write a Hugging Face folder (config.json, model-*.safetensors, index) for a Meta checkpoint or a GGUF file
-    (whose q and k rows are in Meta's order too)."""
+    (whose q and k rows are in Meta's order too): a LlamaForCausalLM folder, or for Llama 3.2 Vision an
+    MllamaForConditionalGeneration one (`llama.checkpoint.hf_mllama`)."""
     reader = open_checkpoint(src)
     if reader.format == "hf":
         raise ValueError(f"{src} is a Hugging Face checkpoint already; did you mean `to-meta`?")
@@ -55,26 +59,37 @@ def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> No
             "floating-point checkpoint it was made from"
         )
     args, _ = model_args_from(reader.params)
-    tied = "output.weight" not in reader.shapes
-    params = dict(reader.params, **({"tie_word_embeddings": True} if tied else {}))
+    if vision_args_from(reader.params, args.n_layers) is not None:
+        writer = MllamaWriter(reader, reader.dtype)
+        config, shapes, make = writer.config, writer.shapes, writer.tensor
+    else:
+        tied = "output.weight" not in reader.shapes
+        params = dict(reader.params, **({"tie_word_embeddings": True} if tied else {}))
+        config = hf_config(params, reader.dtype)
+        keys = {meta_to_hf_name(key): key for key in reader.shapes}  # HF name -> Meta key
+        shapes = {name: reader.shapes[key] for name, key in keys.items()}
+
+        def make(name: str) -> torch.Tensor:
+            tensor = read_full(reader, keys[name])
+            if keys[name].endswith(("attention.wq.weight", "attention.wk.weight")):
+                tensor = permute_for_rotate_half(tensor, tensor.shape[0] // args.head_dim)
+            return tensor.contiguous()
+
     with atomic_output_dir(out_dir) as tmp_dir:
-        (tmp_dir / "config.json").write_text(json.dumps(hf_config(params, reader.dtype), indent=2) + "\n")
-        groups = list(group_by_size(reader.shapes, reader.dtype, max_shard_bytes))
+        (tmp_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        groups = list(group_by_size(shapes, reader.dtype, max_shard_bytes))
         weight_map, total_bytes = {}, 0
-        for index, keys in enumerate(groups):
+        for index, names in enumerate(groups):
             file_name = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
             tensors = {}
-            for key in weights_bar(keys, len(keys), rank=0, what=f"Writing {file_name}"):
-                tensor = read_full(reader, key)
-                if key.endswith(("attention.wq.weight", "attention.wk.weight")):
-                    tensor = permute_for_rotate_half(tensor, tensor.shape[0] // args.head_dim)
-                tensors[meta_to_hf_name(key)] = tensor.contiguous()
-                weight_map[meta_to_hf_name(key)] = file_name
-                total_bytes += tensor.numel() * tensor.element_size()
+            for name in weights_bar(names, len(names), rank=0, what=f"Writing {file_name}"):
+                tensors[name] = make(name)
+                weight_map[name] = file_name
+                total_bytes += tensors[name].numel() * tensors[name].element_size()
             save_file(tensors, tmp_dir / file_name, metadata={"format": "pt"})
             # safetensors creates its files readable by their owner only; give them config.json's permissions.
             shutil.copymode(tmp_dir / "config.json", tmp_dir / file_name)
-            print(f"[{index + 1}/{len(groups)}] wrote {file_name} ({len(keys)} tensors)", flush=True)
+            print(f"[{index + 1}/{len(groups)}] wrote {file_name} ({len(names)} tensors)", flush=True)
         index_json = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (tmp_dir / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
         copy_tokenizer(src, tmp_dir, reader)
@@ -88,6 +103,10 @@ def hf_to_meta(src: Path, out_dir: Path, model_parallel_size: int = 1) -> None:
         raise ValueError(f"{src} is a Meta checkpoint already; did you mean `to-hf`?")
     args, _ = model_args_from(reader.params)
     check_model_parallel_size(args, model_parallel_size, setting="--model_parallel_size")
+    vision = vision_args_from(reader.params, args.n_layers)
+    if vision is not None:
+        check_vision_model_parallel_size(vision, model_parallel_size)
+    # A vision model's own encoder fields (vision_encoder_*) are there only when its encoder is not Meta's size.
     params = {k: v for k, v in reader.params.items() if k != "tie_word_embeddings"}
     with atomic_output_dir(out_dir) as tmp_dir:
         (tmp_dir / "params.json").write_text(json.dumps(params, indent=2) + "\n")
@@ -111,6 +130,7 @@ def quantize_checkpoint(
     reader = open_checkpoint(src)
     if saved_quantization(reader.params, src / META_PARAMS):
         raise ValueError(f"{src} is already quantized; quantize the floating-point checkpoint it was made from")
+    refuse_vision(reader.params, src, "quantized once; Llama.build(quantize=...) quantizes its text model as it loads")
     args, _ = model_args_from(reader.params)
     check_model_parallel_size(args, model_parallel_size, setting="--model_parallel_size")
     shapes = full_shapes(args)
@@ -181,6 +201,12 @@ def floating_point(reader: CheckpointReader) -> CheckpointReader:
     return reader
 
 
+def refuse_vision(params: dict, src: Path, what_not: str) -> None:
+    """A ValueError for a Llama 3.2 Vision checkpoint where a conversion takes text models only."""
+    if params.get("vision_chunk_size", -1) != -1:
+        raise ValueError(f"{src} is a Llama 3.2 Vision model, which cannot be {what_not}")
+
+
 def to_gguf(src: Path, out: Path, file_type: str = "BF16") -> None:
     """Write a Meta or Hugging Face checkpoint (or a GGUF file: dequantized, without a vocabulary) as the GGUF file
     `out`, its matrices in `file_type` (one of `GGUF_TYPES`), with its tokenizer.model's vocabulary where it has
@@ -193,6 +219,7 @@ def to_gguf(src: Path, out: Path, file_type: str = "BF16") -> None:
     reader = floating_point(open_checkpoint(src))
     if saved_quantization(reader.params, src / META_PARAMS):
         raise ValueError(f"{src} holds this project's quantized weights; convert the floating-point checkpoint")
+    refuse_vision(reader.params, src, "written as GGUF (llama.cpp runs no Llama 3.2 Vision)")
     try:
         tokenizer_path = None if reader.format == "gguf" else find_tokenizer(src)
     except FileNotFoundError:

@@ -179,23 +179,8 @@ class HuggingFaceCheckpoint(CheckpointReader):
         self.config = read_json(ckpt_dir / HF_CONFIG)
         self.params = hf_config_to_params(self.config, ckpt_dir / HF_CONFIG)
         self.head_dim = model_args_from(self.params)[0].head_dim
-        index_path = ckpt_dir / "model.safetensors.index.json"
-        if index_path.is_file():
-            weight_map = read_json(index_path).get("weight_map")
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise ValueError(f"{index_path} has no weight_map of tensor names to file names")
-            files = sorted(set(weight_map.values()))
-            for name in files:
-                key = next(k for k, v in weight_map.items() if v == name)
-                inside_folder(ckpt_dir, name, f"{index_path.name} entry {key!r}")
-                if not (ckpt_dir / name).is_file():
-                    raise FileNotFoundError(f"{ckpt_dir / name} is missing; {index_path.name} lists it for {key}")
-        else:
-            files = sorted(p.name for p in ckpt_dir.glob("model*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"No model*.safetensors files found in {ckpt_dir}")
         self.files = {}  # Meta key -> (file name, HF name)
-        self.handles = {name: open_safetensors(ckpt_dir / name) for name in files}
+        self.handles = {name: open_safetensors(ckpt_dir / name) for name in safetensors_file_names(ckpt_dir)}
         self.shapes, self.dtypes, unknown = {}, {}, []
         for file_name, handle in self.handles.items():
             for hf_name in handle.keys():
@@ -206,12 +191,7 @@ class HuggingFaceCheckpoint(CheckpointReader):
                 self.files[key] = (file_name, hf_name)
                 tensor_slice = handle.get_slice(hf_name)
                 self.shapes[key] = torch.Size(tensor_slice.get_shape())
-                if tensor_slice.get_dtype() not in SAFETENSORS_DTYPES:
-                    raise ValueError(
-                        f"{hf_name} in {ckpt_dir / file_name} is stored as {tensor_slice.get_dtype()}; a Llama "
-                        f"checkpoint's weights are floating point ({', '.join(SAFETENSORS_DTYPES)})"
-                    )
-                self.dtypes[key] = SAFETENSORS_DTYPES[tensor_slice.get_dtype()]
+                self.dtypes[key] = stored_dtype(tensor_slice, hf_name, ckpt_dir / file_name)
         if unknown:
             raise ValueError(f"Unexpected tensors in {ckpt_dir}, not part of a Llama model: {unknown[:10]}")
         if "output.weight" not in self.shapes and self.config.get("tie_word_embeddings"):
@@ -235,6 +215,37 @@ class HuggingFaceCheckpoint(CheckpointReader):
         if module in ("wq", "wk"):  # rows are whole heads, so each head can be un-permuted on its own
             tensor = permute_for_interleaved(tensor, tensor.shape[0] // self.head_dim)
         return tensor
+
+
+def safetensors_file_names(ckpt_dir: Path) -> List[str]:
+    """The weight files of a Hugging Face folder: those its model.safetensors.index.json names (each checked to lie
+    in the folder and to exist), or without an index every model*.safetensors there; a FileNotFoundError if none."""
+    index_path = ckpt_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index_path} has no weight_map of tensor names to file names")
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            key = next(k for k, v in weight_map.items() if v == name)
+            inside_folder(ckpt_dir, name, f"{index_path.name} entry {key!r}")
+            if not (ckpt_dir / name).is_file():
+                raise FileNotFoundError(f"{ckpt_dir / name} is missing; {index_path.name} lists it for {key}")
+    else:
+        files = sorted(p.name for p in ckpt_dir.glob("model*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"No model*.safetensors files found in {ckpt_dir}")
+    return files
+
+
+def stored_dtype(tensor_slice, hf_name: str, path: Path) -> torch.dtype:
+    """The torch dtype of a safetensors tensor, or a ValueError naming it when it is not floating point."""
+    if tensor_slice.get_dtype() not in SAFETENSORS_DTYPES:
+        raise ValueError(
+            f"{hf_name} in {path} is stored as {tensor_slice.get_dtype()}; a Llama "
+            f"checkpoint's weights are floating point ({', '.join(SAFETENSORS_DTYPES)})"
+        )
+    return SAFETENSORS_DTYPES[tensor_slice.get_dtype()]
 
 
 def inside_folder(folder: Path, name: str, what: str) -> None:

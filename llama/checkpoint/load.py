@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llama.arguments import short_repr
 from llama.checkpoint.gguf_file import GGUFCheckpoint
-from llama.checkpoint.hf import HuggingFaceCheckpoint
+from llama.checkpoint.hf_mllama import open_hf_folder
 from llama.checkpoint.locate import checkpoint_path, is_ollama_name
 from llama.checkpoint.meta import MetaCheckpoint
 from llama.checkpoint.params import (
@@ -65,7 +65,7 @@ def open_checkpoint(ckpt_dir) -> CheckpointReader:
     if (ckpt_dir / META_PARAMS).is_file():
         return MetaCheckpoint(ckpt_dir)
     if (ckpt_dir / HF_CONFIG).is_file():
-        return HuggingFaceCheckpoint(ckpt_dir)
+        return open_hf_folder(ckpt_dir)  # a text Llama's, or a Llama 3.2 Vision's (Mllama)
     raise FileNotFoundError(
         f"{ckpt_dir} has no params.json (Meta layout) and no config.json (Hugging Face layout); "
         "point ckpt_dir at the folder that holds the checkpoint"

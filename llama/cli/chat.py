@@ -2,6 +2,7 @@
 
 Commands (`COMMANDS`; /help lists them) start with `/`; an unknown one is answered with the list, never sent to the
 model. Input is read by `llama.cli.chat_input`: line editing and history, messages of several lines, saved dialogs.
+On a Llama 3.2 Vision model a message may carry images, by /image or by naming the file (`llama.cli.chat_images`).
 Ctrl-C stops the current answer and keeps the session; at the prompt it ends the chat. Under torchrun, rank 0
 reads the input and broadcasts it, and every rank generates in step; there Ctrl-C reaches every process (and
 torchrun, which then stops them all), so it ends the chat at once.
@@ -12,16 +13,29 @@ import sys
 import threading
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Callable, Iterator, List, Optional, TextIO, TypeVar
+from typing import Callable, Iterator, List, Optional, TextIO, TypeVar, Union
 
 import torch.distributed as dist
 
 from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
+from llama.cli.chat_images import (
+    ImagePart,
+    described,
+    image_count,
+    images_named_in,
+    open_attachment,
+    opened_dialog,
+    saved_dialog,
+    takes_images,
+    unquoted,
+    user_content,
+)
 from llama.cli.chat_input import BLOCK, CONTINUED, LineEditor, closest_command, load_dialog, read_message, save_dialog
 from llama.decoding.speed import Stopwatch
 from llama.distributed import several_processes
 from llama.generation import Llama
 from llama.tokenizer import Message
+from llama.vision.batch import MAX_IMAGES
 
 T = TypeVar("T")
 
@@ -34,6 +48,7 @@ COMMANDS = {
     "/system TEXT": "set the system prompt (/system alone removes it); the history stays",
     "/save FILE": "write the dialog to FILE as JSON",
     "/load FILE": "go on from a dialog /save wrote",
+    "/image PATH": "attach the image file at PATH to the next message (a vision model)",
     "/exit": "quit (so does end of input, Ctrl-D)",
 }
 ENDED_BY_CTRL_C = "[Ctrl-C under torchrun: torchrun stops every process, so the chat ends here]"
@@ -71,6 +86,7 @@ class ChatSession:
         self.temperature, self.top_p, self.max_gen_len = temperature, top_p, max_gen_len
         self.out = out or sys.stdout  # looked up now, not when `ChatSession` was defined
         self.history: List[Message] = []
+        self.images: List[ImagePart] = []  # attached by /image, waiting for the next message
         self.reset()
 
     def reset(self) -> None:
@@ -95,9 +111,21 @@ class ChatSession:
         return min(self.max_gen_len or max_seq_len // 4, max_seq_len - 1)
 
     def trim_history(self) -> None:
-        """Drop the oldest turns (never the system prompt or the newest message) until the answer fits."""
-        limit = self.generator.model.params.max_seq_len - self.answer_room()
+        """Drop the oldest turns (never the system prompt or the newest message) until the dialog holds at most
+        MAX_IMAGES images, as a vision model's prompt must, and the answer fits."""
         first = 1 if self.system_prompt else 0
+        dropped = 0
+        while image_count(self.history) > MAX_IMAGES and len(self.history) - first > 1:
+            del self.history[first]
+            dropped += 1
+        if dropped:
+            print(
+                f"[more than {MAX_IMAGES} images in the dialog, the most the model reads: dropped the {dropped} "
+                "oldest message(s)]",
+                file=self.out,
+                flush=True,
+            )
+        limit = self.generator.model.params.max_seq_len - self.answer_room()
         dropped = 0
         while len(self.generator.formatter.encode_dialog_prompt(self.history)) > limit:
             if len(self.history) - first <= 1:
@@ -111,9 +139,13 @@ class ChatSession:
         if dropped:
             print(f"[history too long: dropped the {dropped} oldest message(s)]", file=self.out, flush=True)
 
-    def send(self, text: str) -> str:
-        """Add a user message, stream the answer to `out`, and return it (partial if interrupted)."""
-        self.history.append({"role": "user", "content": text})
+    def send(self, content: Union[str, List[dict]]) -> str:
+        """Add a user message (a text, or text and image parts), stream the answer to `out`, and return it (partial if
+        interrupted)."""
+        n_images = image_count([{"role": "user", "content": content}])
+        if n_images > MAX_IMAGES:
+            raise ValueError(f"This message has {n_images} images; the model reads at most {MAX_IMAGES}")
+        self.history.append({"role": "user", "content": content})
         self.trim_history()
         pieces, n_tokens, stopwatch = [], 0, Stopwatch(self.generator.decoder)
         print("Assistant: ", end="", file=self.out, flush=True)
@@ -124,6 +156,10 @@ class ChatSession:
                 pieces.append(chunk.text)
                 n_tokens = chunk.n_tokens
                 print(chunk.text, end="", file=self.out, flush=True)
+        except ValueError:  # refused before answering (an image too long and thin to tile): the message goes
+            self.history.pop()
+            print(file=self.out)
+            raise
         except KeyboardInterrupt:
             if several_processes():
                 print(f"\n{ENDED_BY_CTRL_C}", file=self.out, flush=True)
@@ -193,10 +229,33 @@ def run_chat(
             if line.startswith("/") and not line.startswith("//"):
                 run_command(session, line, group)
             elif line:
+                content = with_images(session, line[1:] if line.startswith("//") else line, group)
                 try:
-                    session.send(line[1:] if line.startswith("//") else line)
+                    if content is not None:
+                        session.send(content)
                 except ValueError as e:
                     print(f"[{e}]", file=out)
+
+
+def with_images(session: ChatSession, text: str, group) -> Union[str, List[dict], None]:
+    """The user message `text` with its images: those /image attached, then, on a vision model, the files it names
+    (each said in the chat as it is attached). None, with the reason said, where an image cannot be read or there
+    are too many: then nothing is sent, and what /image attached waits for the next message."""
+    found = shared(lambda: value_or_error(images_named_in, text), group) if takes_images(session.generator) else []
+    if isinstance(found, str):
+        print(f"[{found} The message was not sent.]", file=session.out)
+        return None
+    images = session.images + found
+    if len(images) > MAX_IMAGES:
+        print(
+            f"[{len(images)} images for one message, more than the {MAX_IMAGES} the model reads. It was not sent.]",
+            file=session.out,
+        )
+        return None
+    for part in found:
+        print(f"[{described(part)}]", file=session.out)
+    session.images = []
+    return user_content(text, images)
 
 
 def run_command(session: ChatSession, line: str, group) -> None:
@@ -212,19 +271,26 @@ def run_command(session: ChatSession, line: str, group) -> None:
         print(f"  {'TEXT ' + CONTINUED:14} a line ending in {CONTINUED} goes on on the next one", file=out)
     elif name == "/reset":
         session.reset()
+        session.images = []
         print("[history cleared]", file=out)
     elif name == "/system":
         session.set_system_prompt(argument or None)
         print(f"[system prompt {'set' if argument else 'removed'}]", file=out)
+    elif name == "/image":
+        attach_image(session, unquoted(argument), group)
     elif name in ("/save", "/load") and not argument:
         print(f"[{name} needs a file name: {name} FILE]", file=out)
     elif name == "/save":
-        error = shared(lambda: saving_error(argument, session.history), group)  # rank 0 writes
-        print(f"[{error}]" if error else f"[saved {len(session.history)} messages to {argument}]", file=out)
+        error = shared(lambda: saving_error(argument, saved_dialog(session.history)), group)  # rank 0 writes
+        n_images = image_count(session.history)
+        images = f" ({n_images} image(s) by their paths)" if n_images else ""
+        print(f"[{error}]" if error else f"[saved {len(session.history)} messages to {argument}{images}]", file=out)
     elif name == "/load":
         loaded = shared(lambda: loading(argument), group)  # rank 0 reads; every rank gets the dialog
         if isinstance(loaded, str):
             print(f"[{loaded}]", file=out)
+        elif image_count(loaded) and not takes_images(session.generator):
+            print(f"[{argument} holds images, and this model takes no images: it is a text model]", file=out)
         else:
             session.load(loaded)
             print(f"[loaded {len(loaded)} messages from {argument}]", file=out)
@@ -233,6 +299,32 @@ def run_command(session: ChatSession, line: str, group) -> None:
         guess = closest_command(name, names)
         hint = f" Did you mean {guess}?" if guess else ""
         print(f"[unknown command {name[:40]}.{hint} The commands: {', '.join(names)}]", file=out)
+
+
+def attach_image(session: ChatSession, path: str, group) -> None:
+    """/image PATH: read the image now, so that a bad file is said at once, and keep it for the next message."""
+    out = session.out
+    if not takes_images(session.generator):
+        print("[This model takes no images: it is a text model. /image needs a Llama 3.2 Vision checkpoint]", file=out)
+    elif not path:
+        print("[/image needs a file name: /image PATH]", file=out)
+    elif len(session.images) >= MAX_IMAGES:
+        print(f"[{MAX_IMAGES} images wait for the next message already, the most the model reads]", file=out)
+    else:
+        part = shared(lambda: value_or_error(open_attachment, path), group)  # rank 0 reads; every rank gets it
+        if isinstance(part, str):
+            print(f"[{part}]", file=out)
+        else:
+            session.images.append(part)
+            print(f"[{described(part)}: it goes with the next message]", file=out)
+
+
+def value_or_error(function: Callable[[str], T], argument: str) -> Union[T, str]:
+    """`function(argument)`, or the text of the ValueError it raised: what rank 0 can hand the other ranks."""
+    try:
+        return function(argument)
+    except ValueError as e:
+        return str(e)
 
 
 def saving_error(path: str, dialog: List[Message]) -> Optional[str]:
@@ -244,8 +336,8 @@ def saving_error(path: str, dialog: List[Message]) -> Optional[str]:
 
 
 def loading(path: str):
-    """The dialog in `path`, or the text of what is wrong with it."""
+    """The dialog in `path`, its images read, or the text of what is wrong with it."""
     try:
-        return load_dialog(path)
+        return opened_dialog(load_dialog(path), path)
     except ValueError as e:
         return str(e)

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 from llama.tokenizer import ROLES, Message
 
@@ -93,7 +93,8 @@ def read_message(prompt: str, input_fn: Callable[[str], str]) -> str:
 
 
 def save_dialog(path: str, dialog: List[Message]) -> None:
-    """Write `dialog` as a JSON list of {"role", "content"} messages (what `load_dialog` reads back)."""
+    """Write `dialog` as a JSON list of {"role", "content"} messages (what `load_dialog` reads back); its images
+    must be paths already (`llama.cli.chat_images.saved_dialog`)."""
     text = json.dumps(dialog, indent=2, ensure_ascii=False) + "\n"
     try:
         Path(path).expanduser().write_text(text, encoding="utf-8")
@@ -102,8 +103,9 @@ def save_dialog(path: str, dialog: List[Message]) -> None:
 
 
 def load_dialog(path: str) -> List[Message]:
-    """The dialog saved in `path`, checked: a JSON list of messages with a known role and text content, a system
-    message only first. A ValueError says what is wrong with the file."""
+    """The dialog saved in `path`, checked: a JSON list of messages with a known role and content of text (or text
+    and image parts, each image by its path), a system message only first. A ValueError says what is wrong with
+    the file."""
     file = Path(path).expanduser()
     try:
         if file.stat().st_size > MAX_DIALOG_BYTES:
@@ -121,16 +123,36 @@ def checked_dialog(data, path: str) -> List[Message]:
         raise ValueError(f"{path} holds a JSON {type(data).__name__}, not a list of messages")
     dialog = []
     for i, message in enumerate(data):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise ValueError(f'message {i} of {path} is not {{"role": ..., "content": "text"}}')
+        content = saved_content(message.get("content")) if isinstance(message, dict) else None
+        if content is None:
+            raise ValueError(
+                f'message {i} of {path} is not {{"role": ..., "content": "text"}} (or a list of {{"type": "text", '
+                f'"text": ...}} and {{"type": "image", "image": "a path"}} parts)'
+            )
         role = message.get("role")
         if role not in ROLES["3.1"]:  # every role a message may have; the model's version is checked as it is sent
             roles = ", ".join(ROLES["3.1"])
             raise ValueError(f"message {i} of {path} has role {str(role)[:40]!r}; the roles are {roles}")
         if role == "system" and i > 0:
             raise ValueError(f"message {i} of {path} is a system message; only the first message may be one")
-        dialog.append({"role": role, "content": message["content"]})
+        dialog.append({"role": role, "content": content})
     return dialog
+
+
+def saved_content(content) -> Union[str, List[dict], None]:
+    """A message's content as /save writes it: a text, or a list of text parts and image parts that hold an image
+    file's path (the images are read by `llama.cli.chat_images.opened_dialog`); None for anything else."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "image") or not isinstance(part.get(kind), str):
+            return None
+        parts.append({"type": kind, kind: part[kind]})
+    return parts
 
 
 def closest_command(word: str, commands: List[str]) -> Optional[str]:

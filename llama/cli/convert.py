@@ -5,7 +5,8 @@
     llama convert to-gguf  META_DIR|HF_DIR    OUT.gguf [--type F32|F16|BF16]
     llama convert quantize CKPT_DIR OUT_DIR --scheme int8|int4 [--group_size 32] [--model_parallel_size N]
 
-(`python -m llama.convert ...` is the same.)
+(`python -m llama.convert ...` is the same.) A Llama 3.2 Vision checkpoint converts both ways too: to-hf writes a
+transformers MllamaForConditionalGeneration folder, and to-meta reads one (docs/vision.md).
 Tensors are streamed: at most one output file's worth of weights is in memory at a time (for `quantize`, the
 quantized weights and one layer in floating point). The output is written to a temporary folder and renamed
 when complete, so an interrupted run never looks finished.

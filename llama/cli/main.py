@@ -1,7 +1,8 @@
 """The `llama` command (also `python -m llama`): one command line over the library, in argparse's style.
 
     llama chat CKPT_DIR                 chat in the terminal (docs/chat.md)
-    llama complete CKPT_DIR [PROMPT]    continue PROMPT (or stdin) and stream the text to stdout
+    llama complete CKPT_DIR [PROMPT]    continue PROMPT (or stdin) and stream the text to stdout; --image PATH
+                                        (repeatable) starts the prompt with images, on a Llama 3.2 Vision model
     llama serve ...                     the HTTP server (`llama.serve`)
     llama convert ...                   convert or quantize a checkpoint (`llama.cli.convert`)
     llama demo DIR                      write a small random-weight checkpoint to try things on (`llama.cli.demo`)
@@ -26,6 +27,7 @@ from llama.cli.common import (
     add_draft_flags,
     build_from_flags,
     check_prompts_fit,
+    checkpoint_takes_images,
     ends_on_ctrl_c,
     fail,
     rank0_stream,
@@ -80,9 +82,10 @@ def add_model_flags(parser: argparse.ArgumentParser, max_gen_len: Optional[int])
         "--noprefix_cache",
         dest="prefix_cache",
         action="store_false",
+        default=None,  # on, but for a vision model (`build_from_flags`)
         help="run each prompt from its first token, as Meta's code does (default: reuse what the KV cache holds from "
         "the last turn: in float32 the same greedy tokens; in bfloat16 a near-tie may break otherwise, and a seeded "
-        "sample can differ from a cold run's)",
+        "sample can differ from a cold run's; a vision model never reuses it)",
     )
     add_draft_flags(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="show the library's log records (INFO)")
@@ -105,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_flags(complete, max_gen_len=256)
     complete.add_argument("prompt", nargs="?", help="the text to continue; read from stdin when left out or -")
+    complete.add_argument(
+        "--image",
+        action="append",
+        metavar="PATH",
+        help="an image file the prompt starts with, before its text (a Llama 3.2 Vision model); repeat the flag for "
+        "several, in order",
+    )
     complete.set_defaults(command_parser=complete)
     for name, (_, help_text) in DELEGATED.items():  # listed in `llama -h`; their flags are their own
         commands.add_parser(name, help=help_text, add_help=False)
@@ -126,8 +136,10 @@ def long_flags(parser: argparse.ArgumentParser) -> List[str]:
 
 
 # Every flag of `chat` and `complete`: a message from the library that names one (`max_seq_len=...`) is shown with it
-# as a flag (`--max_seq_len`), and `--max-seq-len` is read as `--max_seq_len`.
+# as a flag (`--max_seq_len`), and `--max-seq-len` is read as `--max_seq_len`. "image" is a word many messages
+# use as a word ("not an image file"): a message about the flag names it as `--image` itself.
 FLAGS = long_flags(build_parser())
+NAMED_IN_MESSAGES = [flag for flag in FLAGS if flag != "image"]
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -141,7 +153,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if unknown:  # said with the command's usage, not the top level's, and the flag meant if it is a typo
             args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}{flag_hint(unknown)}")
         show_logs(args.verbose)
-        with user_errors(FLAGS):
+        with user_errors(NAMED_IN_MESSAGES):
             if args.command == "chat":
                 chat(args)
             else:
@@ -183,6 +195,13 @@ def run_delegated(command: str, argv: List[str]) -> None:
 
 def load(args: argparse.Namespace, prompts: Optional[List[str]] = None):
     """Check what can be checked without the weights, then build the Llama and say what was loaded (stderr)."""
+    check_flags(args, prompts)
+    return build_from_flags(args)
+
+
+def check_flags(args: argparse.Namespace, prompts: Optional[List[str]] = None) -> None:
+    """Check the sampling flags, and `prompts` (texts) against --max_seq_len and --max_batch_size; fill in the
+    sampling flags left out with the checkpoint's defaults, else the command's."""
     flags = vars(args)
     # The sampling flags given are checked first: reading the checkpoint imports torch, seconds before a mistake
     # could be reported.
@@ -198,7 +217,6 @@ def load(args: argparse.Namespace, prompts: Optional[List[str]] = None):
     check_sampling(args.temperature, args.top_p, args.max_gen_len)
     if prompts is not None:
         check_prompts_fit(args.ckpt_dir, args.tokenizer_path, prompts, args.max_seq_len, args.max_batch_size)
-    return build_from_flags(args)
 
 
 def chat(args: argparse.Namespace) -> None:
@@ -219,7 +237,10 @@ def complete(args: argparse.Namespace) -> None:
         prompt = sys.stdin.read().removesuffix("\n")  # the newline `echo` and editors end a file with
     if not prompt:
         raise ValueError("The prompt is empty; give it as an argument or on stdin")
-    generator = load(args, [prompt])
+    check_flags(args, [prompt])  # the text's tokens; each image adds one, which the Llama counts
+    if args.image:
+        prompt = with_images(args.ckpt_dir, args.image, prompt)
+    generator = build_from_flags(args)
     from llama.decoding.speed import Stopwatch  # imported after the flags are checked, as it imports torch
 
     out = rank0_stream(sys.stdout)  # every process computes the same text; the first one shows it
@@ -234,3 +255,18 @@ def complete(args: argparse.Namespace) -> None:
         out.write("\n")
         out.flush()
     print(stopwatch.speed(n_tokens), file=rank0_stream(sys.stderr))
+
+
+def with_images(ckpt_dir: str, paths: List[str], text: str) -> list:
+    """The prompt of `--image` files and `text`: the images' parts, in order, then the text's, each image read now,
+    before the weights load, so that a missing or damaged file is said at once."""
+    from llama.cli.chat_images import open_attachment  # the chat's /image: the same one-line errors
+    from llama.vision.batch import MAX_IMAGES
+
+    if not checkpoint_takes_images(ckpt_dir):
+        raise ValueError(
+            f"This model takes no images: {ckpt_dir} holds a text model. --image needs a Llama 3.2 Vision checkpoint"
+        )
+    if len(paths) > MAX_IMAGES:
+        raise ValueError(f"{len(paths)} --image files; the model reads at most {MAX_IMAGES}")
+    return [*(open_attachment(path) for path in paths), {"type": "text", "text": text}]

@@ -83,9 +83,9 @@ def missing_dependencies() -> List[str]:
 
 def refuse_vision_models(ckpt_dir) -> None:
     """A ValueError, before anything loads, for a Llama 3.2 Vision checkpoint: the engine runs text models only."""
-    from llama.checkpoint import open_checkpoint
+    from llama.cli.common import checkpoint_takes_images
 
-    if open_checkpoint(ckpt_dir).params.get("vision_chunk_size", -1) != -1:
+    if checkpoint_takes_images(ckpt_dir):
         raise ValueError(
             f"{ckpt_dir} is a Llama 3.2 Vision model, which `llama serve` does not serve yet; run it through the "
             "Python API or `llama chat` (docs/vision.md)"
