@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TINY_PARAMS
+from helpers import TINY_PARAMS, VISION_PARAMS
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
@@ -332,3 +332,63 @@ def test_any_text_completion_arguments_work_or_are_named(tiny_llama, prompt, tem
         assert str(e).startswith(tuple(bad)) if bad else False, str(e)
         return
     assert not bad and isinstance(result[0]["generation"], str)
+
+
+# Llama 3.2 Vision: params.json's vision fields and a message's content parts ---------------------------------------
+
+VISION_FIELDS = sorted(set(VISION_PARAMS) - set(TINY_PARAMS) - {"use_scaled_rope"})
+
+
+@given(field=st.sampled_from(VISION_FIELDS), value=json_values)
+def test_any_vision_params_value_works_or_is_named(field, value):
+    from llama.vision.model import vision_args_from
+
+    try:
+        vision = vision_args_from({**VISION_PARAMS, field: value}, VISION_PARAMS["n_layers"])
+    except ValueError as e:
+        assert names_the_problem(e, field, "vision_chunk_size", "Intermediate layers", "encoder width"), str(e)
+        return
+    encoder = vision.encoder
+    assert 0 < vision.cross_attention_layers <= VISION_PARAMS["n_layers"]
+    assert 0 < encoder.tokens_per_tile * encoder.feature_dim < 2**63 and encoder.width % encoder.heads == 0
+
+
+content_parts = st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "image", "image_url", ""])},
+    optional={"text": json_values, "image": json_values},
+)
+
+
+def content_works(content) -> bool:
+    """Independently of llama.tokenizer.content: a str, or a list of text parts (a str under "text") and image parts
+    (any value under "image": an image is read later)."""
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(part, dict)
+        and (
+            (part.get("type") == "text" and isinstance(part.get("text"), str))
+            or (part.get("type") == "image" and "image" in part)
+        )
+        for part in content
+    )
+
+
+@pytest.fixture(scope="module")
+def vision_chat(tokenizer_path):
+    from llama.tokenizer import ChatFormat
+
+    return ChatFormat(Tokenizer(tokenizer_path, version="3.1"))  # the tokenizer of Llama 3.2 Vision
+
+
+@given(content=st.one_of(json_values, st.lists(st.one_of(content_parts, json_values), max_size=4)))
+def test_any_message_content_encodes_or_is_named(vision_chat, content):
+    chat = vision_chat
+    try:
+        tokens = chat.encode_message({"role": "user", "content": content})
+    except ValueError as e:
+        assert not content_works(content) and str(e).startswith("Content"), str(e)
+        return
+    assert content_works(content)
+    images = sum(1 for part in content if part["type"] == "image") if isinstance(content, list) else 0
+    assert tokens.count(128011) == images

@@ -42,6 +42,8 @@ class EncoderArgs:
             raise ValueError(f"The encoder width ({self.width}) must be divisible by its heads ({self.heads})")
         if any(not 0 <= i < self.layers for i in self.intermediate_layers):
             raise ValueError(f"Intermediate layers {self.intermediate_layers} must lie in [0, {self.layers})")
+        if len(set(self.intermediate_layers)) != len(self.intermediate_layers):
+            raise ValueError(f"Intermediate layers {self.intermediate_layers} must each be named once")
 
     @property
     def tokens_per_tile(self) -> int:

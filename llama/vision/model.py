@@ -45,38 +45,47 @@ class VisionArgs:
     max_tiles: int = MAX_TILES  # vision_max_num_chunks
 
 
+# Bounds of the vision fields, far above Llama 3.2 Vision's (tiles of 560 pixels; an encoder 1,280 wide, 32 + 8
+# layers, 16 heads) and low enough that every size computed from them stays exact: a bad value is named here.
+MAX_TILE_SIZE = 2**13
+MAX_ENCODER_SIZES = {"width": 2**16, "layers": 2**10, "heads": 2**10, "global_layers": 2**10}
+
+
+def checked_size(name: str, value, bound: int, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= bound:
+        raise ValueError(f"params.json: {name} must be an integer from {low} to {bound:,}, got {value!r}")
+    return value
+
+
 def vision_args_from(params: dict, n_layers: int) -> Optional[VisionArgs]:
     """The vision fields of a params.json (None for a text model: no `vision_chunk_size`, or -1 as in Meta's
     defaults); a ValueError names a field that cannot work."""
     if params.get("vision_chunk_size", -1) == -1:
         extra = sorted(set(params) & (set(VISION_FIELDS[1:]) | set(ENCODER_FIELDS)))
         if extra:
-            raise ValueError(f"params.json sets {extra} but no vision_chunk_size; a vision model needs all three")
+            raise ValueError(f"params.json sets {extra} but no vision_chunk_size; a vision model needs it")
         return None
-    for name in VISION_FIELDS:
-        value = params.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"params.json: {name} must be a positive integer for a vision model, got {value!r}")
-    if params["vision_max_num_chunks"] != MAX_TILES:
+    tile_size = checked_size("vision_chunk_size", params["vision_chunk_size"], MAX_TILE_SIZE)
+    if params.get("vision_max_num_chunks", MAX_TILES) != MAX_TILES:
         raise ValueError(
-            f"params.json: vision_max_num_chunks is {params['vision_max_num_chunks']}; Llama 3.2 Vision's encoder "
+            f"params.json: vision_max_num_chunks is {params['vision_max_num_chunks']!r}; Llama 3.2 Vision's encoder "
             f"has tile embeddings for {MAX_TILES} tiles exactly"
         )
-    if params["vision_num_cross_attention_layers"] > n_layers:
-        raise ValueError(
-            f"params.json: vision_num_cross_attention_layers ({params['vision_num_cross_attention_layers']}) "
-            f"exceeds n_layers ({n_layers})"
-        )
+    name = "vision_num_cross_attention_layers"
+    cross_attention_layers = checked_size(name, params.get(name), n_layers)
     sizes = {}
     for name, attribute in ENCODER_FIELDS.items():
-        if name in params:
-            value = params[name]
-            values = value if isinstance(value, list) else [value]
-            if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
-                raise ValueError(f"params.json: {name} must be a positive integer (a list, for layers), got {value!r}")
-            sizes[attribute] = tuple(value) if isinstance(value, list) else value
-    encoder = EncoderArgs(tile_size=params["vision_chunk_size"], **sizes)
-    return VisionArgs(params["vision_num_cross_attention_layers"], encoder)
+        if name not in params:
+            continue
+        if attribute == "intermediate_layers":
+            layers = params[name]
+            if not isinstance(layers, list) or not layers:
+                raise ValueError(f"params.json: {name} must be a list of layer indices, got {layers!r}")
+            sizes[attribute] = tuple(checked_size(name, i, MAX_ENCODER_SIZES["layers"], low=0) for i in layers)
+        else:
+            sizes[attribute] = checked_size(name, params[name], MAX_ENCODER_SIZES[attribute])
+    encoder = EncoderArgs(tile_size=tile_size, **sizes)
+    return VisionArgs(cross_attention_layers, encoder)
 
 
 def fusion_schedule(n_layers: int, cross_attention_layers: int) -> List[int]:
