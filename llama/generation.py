@@ -5,6 +5,7 @@ ties them together.
 """
 
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Iterator, List, Optional, Tuple, TypedDict, Union
 
@@ -17,6 +18,7 @@ from llama.checkpoint import (
     checked_int,
     find_tokenizer,
     load_checkpoint,
+    open_checkpoint,
 )
 from llama.checkpoint.draft import draft_model, draft_vocabulary
 from llama.decoding import BatchDecoder, Speed, Stopwatch
@@ -35,7 +37,7 @@ from llama.text import (
 )
 from llama.tokenizer import ChatFormat, Dialog, Message, StopReason, Tokenizer
 from llama.vision.batch import show_images
-from llama.vision.model import CrossAttentionTransformer
+from llama.vision.model import CrossAttentionTransformer, holds_vision_model
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 
@@ -132,6 +134,8 @@ class Llama:
         draft_vocab = draft_vocabulary(draft)
         if draft_quantize is not None and draft_vocab is None:
             raise ValueError("draft_quantize quantizes a draft model: give its checkpoint folder as draft")
+        if (prefix_cache or draft is not None or compile) and holds_vision_model(open_checkpoint(ckpt_dir).params):
+            raise ValueError("prefix_cache, draft and compile are not available with a Llama 3.2 Vision model")
         model, tokenizer, report = load_checkpoint(
             ckpt_dir,
             tokenizer_path,
@@ -147,8 +151,6 @@ class Llama:
         )
         mp_size = fs_init.get_model_parallel_world_size()
         if isinstance(model, CrossAttentionTransformer):  # runs eagerly on the reference's modules (docs/vision.md)
-            if prefix_cache or draft is not None or compile:
-                raise ValueError("prefix_cache, draft and compile are not available with a Llama 3.2 Vision model")
             runtime, decode_step = model, None
         else:
             runtime, decode_step = for_runtime(
@@ -188,7 +190,12 @@ class Llama:
         math summed in another order: float32 keeps the eager path's tokens, bfloat16 may break near ties otherwise.
         On the CPU, an int8 model's step of one sequence holds its weights frozen in (a copy of its own, faster to
         multiply): a weight edited in place afterwards is not seen by it (docs/speed.md).
+
+        Raises:
+            ValueError: for a Llama 3.2 Vision model, which decodes eagerly (docs/vision.md).
         """
+        if isinstance(self.model, CrossAttentionTransformer):
+            raise ValueError("A Llama 3.2 Vision model decodes eagerly: its decode step cannot be compiled")
         self.decoder.decode_step = compiled_step(self.model)
 
     @property
@@ -226,8 +233,21 @@ class Llama:
         Raises:
             ValueError: for an empty batch or prompt, a batch or prompt that is too long, or a bad parameter.
         """
-        show_images(self.model, prompt_tokens, [])  # token IDs only: a vision model reads no image
-        return self.run_batch(prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo)
+        with self.images_seen(prompt_tokens, [], max_gen_len, temperature, top_p):  # token IDs: no image
+            return self.run_batch(prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo)
+
+    @contextmanager
+    def images_seen(self, prompt_tokens, images, max_gen_len, temperature, top_p) -> Iterator[None]:
+        """While a batch runs, its images shown to a vision model (`show_images`), once the checks that cost nothing
+        have passed; and taken away after it, even on an error, so that no later call sees them or keeps their
+        keys and values in memory."""
+        if any(images):
+            self.decoder.checked_prompts(prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p)
+        show_images(self.model, prompt_tokens, images)
+        try:
+            yield
+        finally:
+            show_images(self.model, prompt_tokens, [])
 
     def run_batch(
         self,
@@ -238,7 +258,7 @@ class Llama:
         logprobs: bool,
         echo: bool,
     ) -> Tuple[List[List[int]], Optional[List[List[float]]]]:
-        """`generate`, with the images the batch sees already shown to the model (`show_images`)."""
+        """`generate`, inside `images_seen`."""
         max_gen_len = self.decoder.gen_len(max_gen_len)
         stopwatch = Stopwatch(self.decoder)
         out_tokens, out_logprobs, _ = self.decoder.run(prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo)
@@ -272,10 +292,10 @@ class Llama:
             ValueError: for an empty list, an empty prompt, too many or too long prompts, or a bad parameter.
         """
         prompt_tokens = encode_prompts(self.tokenizer, prompts)
-        show_images(self.model, prompt_tokens, prompt_images(prompts))
-        generation_tokens, generation_logprobs = self.run_batch(
-            prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo
-        )
+        with self.images_seen(prompt_tokens, prompt_images(prompts), max_gen_len, temperature, top_p):
+            generation_tokens, generation_logprobs = self.run_batch(
+                prompt_tokens, max_gen_len, temperature, top_p, logprobs, echo
+            )
         per_row = generation_logprobs or [None] * len(generation_tokens)
         return [completion_prediction(self.tokenizer, t, p) for t, p in zip(generation_tokens, per_row)]
 
@@ -310,12 +330,12 @@ class Llama:
             ValueError: for an empty list or dialog, a malformed message, too many or too long dialogs, a bad value.
         """
         prompt_tokens = encode_dialogs(self.formatter, dialogs)
-        show_images(self.model, prompt_tokens, dialog_images(dialogs))
         stopwatch = Stopwatch(self.decoder)
         rows = constraints_for(response_format, self.tokenizer, self.model.params.vocab_size, len(dialogs))
-        generation_tokens, generation_logprobs, stop_reasons = self.decoder.run(
-            prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p, logprobs, False, rows
-        )
+        with self.images_seen(prompt_tokens, dialog_images(dialogs), max_gen_len, temperature, top_p):
+            generation_tokens, generation_logprobs, stop_reasons = self.decoder.run(
+                prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p, logprobs, False, rows
+            )
         self.last_speed = stopwatch.speed(sum(len(t) for t in generation_tokens))
         rows = zip(generation_tokens, generation_logprobs, stop_reasons)
         return [chat_prediction(self.formatter, t, p, reason) for t, p, reason in rows]
@@ -338,9 +358,9 @@ class Llama:
             ValueError: as `text_completion`.
         """
         prompt_tokens = encode_prompts(self.tokenizer, prompts)
-        show_images(self.model, prompt_tokens, prompt_images(prompts))
-        tokens = self.decoder.stream(prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p)
-        yield from stream_chunks(self.tokenizer, tokens)
+        with self.images_seen(prompt_tokens, prompt_images(prompts), max_gen_len, temperature, top_p):
+            tokens = self.decoder.stream(prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p)
+            yield from stream_chunks(self.tokenizer, tokens)
 
     @torch.inference_mode()
     def chat_completion_stream(
@@ -359,6 +379,6 @@ class Llama:
             ValueError: as `chat_completion`.
         """
         prompt_tokens = encode_dialogs(self.formatter, dialogs)
-        show_images(self.model, prompt_tokens, dialog_images(dialogs))
-        tokens = self.decoder.stream(prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p)
-        yield from with_tool_calls(self.formatter, stream_chunks(self.tokenizer, tokens))
+        with self.images_seen(prompt_tokens, dialog_images(dialogs), max_gen_len, temperature, top_p):
+            tokens = self.decoder.stream(prompt_tokens, self.decoder.gen_len(max_gen_len), temperature, top_p)
+            yield from with_tool_calls(self.formatter, stream_chunks(self.tokenizer, tokens))

@@ -1,12 +1,12 @@
 """Meta's Llama 3.2 Vision reference (llama-models' `llama3.multimodal`), importable without torchvision.
 
 Meta's image transform imports torchvision for three steps on a PIL image: `F.resize` (which, for a PIL image, is
-PIL's own `Image.resize` to (width, height) with the given filter), `ToTensor` (the uint8 pixels as float32 channels
-first, divided by 255) and `Normalize` (minus the mean, over the standard deviation, per channel). torchvision's
-PyPI wheel cannot be used here: it is built for CUDA torch, its operators fail to register beside the CPU build, and
-once installed it breaks `import transformers` (which imports it where it is installed). So those three steps are
-written below as torchvision documents them, and put in place of torchvision only while Meta's modules import;
-everything else, the canvas choice, the sizes, the padding and the tiles, is Meta's own code.
+PIL's own `Image.resize` to (width, height) with the given filter), `ToTensor` (the uint8 pixels, channels first, in
+torch's default dtype, divided by 255) and `Normalize` (minus the mean, over the standard deviation, per channel).
+torchvision's PyPI wheel cannot be used here: it is built for CUDA torch, its operators fail to register beside
+the CPU build, and once installed it breaks `import transformers` (which imports it where it is installed). So
+those three steps are written below as torchvision documents them, and put in place of torchvision only while
+Meta's modules import; everything else, the canvas choice, the sizes, the padding and the tiles, is Meta's own code.
 """
 
 import enum
@@ -35,7 +35,7 @@ def resize(image: Image.Image, size, interpolation=InterpolationMode.BILINEAR) -
 class ToTensor:
     def __call__(self, image: Image.Image) -> torch.Tensor:
         pixels = torch.from_numpy(np.array(image, np.uint8, copy=True))  # (height, width, channels)
-        return pixels.permute(2, 0, 1).contiguous().to(torch.float32).div(255)
+        return pixels.permute(2, 0, 1).contiguous().to(torch.get_default_dtype()).div(255)
 
 
 class Normalize:

@@ -46,12 +46,18 @@ def resource(name: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "resources" / name
 
 
-def same_as_meta(image: Image.Image, tile_size: int, max_tiles: int):
-    """Our tiles and grid for `image`, after checking that they equal Meta's bit for bit."""
-    theirs, their_grid = meta_image_transform()(size=tile_size)(image, max_num_chunks=max_tiles)
-    ours, grid = image_tiles(image, tile_size, max_tiles)
+def same_as_meta(image: Image.Image, tile_size: int, max_tiles: int, dtype: torch.dtype = torch.float32):
+    """Our tiles and grid for `image` in `dtype`, after checking that they equal Meta's bit for bit, run with torch's
+    default dtype set to `dtype` (as its build sets it to the model's)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        theirs, their_grid = meta_image_transform()(size=tile_size)(image, max_num_chunks=max_tiles)
+    finally:
+        torch.set_default_dtype(default)
+    ours, grid = image_tiles(image, tile_size, max_tiles, dtype)
     assert grid == their_grid
-    assert ours.dtype == theirs.dtype == torch.float32
+    assert ours.dtype == theirs.dtype == dtype
     assert ours.shape == (grid[0] * grid[1], 3, tile_size, tile_size)
     assert torch.equal(ours, theirs)
     return ours, grid
@@ -339,3 +345,23 @@ def test_arbitrary_bytes_give_an_rgb_image_or_a_value_error(data):
             return
     assert image.mode == "RGB" and image.width > 0 and image.height > 0
     assert len(image.tobytes()) == 3 * image.width * image.height
+
+
+@settings(max_examples=40)
+@given(width=st.integers(1, 1200), height=st.integers(1, 1200), max_tiles=st.integers(1, 4), seed=st.integers(0, 9))
+@example(width=561, height=53, max_tiles=4, seed=0)  # bfloat16 reads 561 as 560: one tile, where float32 gives two
+@example(width=561, height=1, max_tiles=4, seed=0)
+def test_in_bfloat16_images_tile_as_metas_bfloat16_build_tiles_them(width, height, max_tiles, seed):
+    """A bfloat16 model's tiles: Meta's build runs its transform with torch's default dtype set to bfloat16, which
+    rounds the grid's ratios and the pixels; ours, given the dtype, gives the same grid and tiles bit for bit."""
+    image = noise(width, height, seed)
+    try:
+        same_as_meta(image, 560, max_tiles, torch.bfloat16)
+    except ValueError as e:  # a side shrunk to nothing: Meta's transform fails, and so does ours (see above)
+        assert "height and width must be > 0" in str(e) or "too long and thin" in str(e)
+
+
+def test_bfloat16_changes_the_grid_of_some_images():
+    """Why the dtype is passed: 561x53 pixels fits 1 tile of 560 in bfloat16, 2 in float32."""
+    image = noise(561, 53, 0)
+    assert image_tiles(image, 560, 4, torch.bfloat16)[1] != image_tiles(image, 560, 4)[1]

@@ -43,7 +43,7 @@ from llama.checkpoint.quantized import SAVED_DTYPE, quantize_for_saving, saved_s
 from llama.checkpoint.report import weights_bar
 from llama.quantize import check_group_size, check_scheme
 from llama.tokenizer.gguf_vocab import is_gguf_file
-from llama.vision.model import vision_args_from
+from llama.vision.model import holds_vision_model, vision_args_from
 
 
 def meta_to_hf(src: Path, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -203,7 +203,7 @@ def floating_point(reader: CheckpointReader) -> CheckpointReader:
 
 def refuse_vision(params: dict, src: Path, what_not: str) -> None:
     """A ValueError for a Llama 3.2 Vision checkpoint where a conversion takes text models only."""
-    if params.get("vision_chunk_size", -1) != -1:
+    if holds_vision_model(params):
         raise ValueError(f"{src} is a Llama 3.2 Vision model, which cannot be {what_not}")
 
 

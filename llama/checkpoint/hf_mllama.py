@@ -56,16 +56,19 @@ from llama.vision.model import LEARNABLE_EMBEDDINGS, VisionArgs, vision_args_fro
 # a convolution's weight, rows of the joined embedding table, or packed per aspect ratio.
 SAME, ROPE, CONV, ROWS, TILES = "same", "rope", "conv", "rows", "tiles"
 
-TEXT_LAYER = [  # Meta's name in a self-attention layer, HF's, layout
-    ("attention.wq.weight", "self_attn.q_proj.weight", ROPE),
-    ("attention.wk.weight", "self_attn.k_proj.weight", ROPE),
-    ("attention.wv.weight", "self_attn.v_proj.weight", SAME),
-    ("attention.wo.weight", "self_attn.o_proj.weight", SAME),
+FEED_FORWARD_AND_NORMS = [  # the same in a self-attention layer and a cross-attention block
     ("feed_forward.w1.weight", "mlp.gate_proj.weight", SAME),
     ("feed_forward.w2.weight", "mlp.down_proj.weight", SAME),
     ("feed_forward.w3.weight", "mlp.up_proj.weight", SAME),
     ("attention_norm.weight", "input_layernorm.weight", SAME),
     ("ffn_norm.weight", "post_attention_layernorm.weight", SAME),
+]
+TEXT_LAYER = [  # Meta's name in a self-attention layer, HF's, layout
+    ("attention.wq.weight", "self_attn.q_proj.weight", ROPE),
+    ("attention.wk.weight", "self_attn.k_proj.weight", ROPE),
+    ("attention.wv.weight", "self_attn.v_proj.weight", SAME),
+    ("attention.wo.weight", "self_attn.o_proj.weight", SAME),
+    *FEED_FORWARD_AND_NORMS,
 ]
 CROSS_ATTENTION_BLOCK = [
     *((f"attention.w{x}.weight", f"cross_attn.{x}_proj.weight", SAME) for x in "qkvo"),  # no RoPE: not permuted
@@ -73,7 +76,7 @@ CROSS_ATTENTION_BLOCK = [
     ("attention.k_norm.weight", "cross_attn.k_norm.weight", SAME),
     ("gate_attn", "cross_attn_attn_gate", SAME),
     ("gate_ffwd", "cross_attn_mlp_gate", SAME),
-    *(entry for entry in TEXT_LAYER[4:]),
+    *FEED_FORWARD_AND_NORMS,
 ]
 ENCODER_LAYER = [
     *((f"attn.w{x}.weight", f"self_attn.{x}_proj.weight", SAME) for x in "qkvo"),

@@ -245,6 +245,8 @@ def with_images(session: ChatSession, text: str, group) -> Union[str, List[dict]
     if isinstance(found, str):
         print(f"[{found} The message was not sent.]", file=session.out)
         return None
+    attached = {part.get("path") for part in session.images}
+    found = [part for part in found if part.get("path") not in attached]  # named again after /image: once
     images = session.images + found
     if len(images) > MAX_IMAGES:
         print(

@@ -201,9 +201,9 @@ def checkpoint_takes_images(ckpt_dir: str) -> bool:
     read as params: `vision_chunk_size` set), before any weight is read; False where the folder cannot be read, and
     `Llama.build` then says what is wrong."""
     from llama.checkpoint import open_checkpoint
+    from llama.vision.model import holds_vision_model
 
     try:
-        params = open_checkpoint(ckpt_dir).params
+        return holds_vision_model(open_checkpoint(ckpt_dir).params)
     except (ValueError, OSError):
         return False
-    return params.get("vision_chunk_size", -1) != -1  # -1 as in Meta's defaults: a text model

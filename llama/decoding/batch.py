@@ -145,21 +145,15 @@ class BatchDecoder:
             if not finished[i]:
                 yield NewTokens(i, [], "length")
 
-    def start(
-        self,
-        prompt_tokens: Sequence[Sequence[int]],
-        max_gen_len: int,
-        temperature: float,
-        top_p: float,
-        logprobs: bool,
-        reuse: bool = True,
-    ) -> Batch:
-        """Check the arguments and lay out the batch, reusing the cached prefix where `reuse` and `prefix_cache`."""
+    def checked_prompts(
+        self, prompt_tokens: Sequence[Sequence[int]], max_gen_len: int, temperature: float, top_p: float
+    ) -> List[List[int]]:
+        """The prompts as lists of ints, after checking them and the sampling arguments (a ValueError names what is
+        wrong): before anything costly is done for a batch, such as reading its images."""
         params = self.model.params
         check_sampling(temperature, top_p, max_gen_len)
         if max_gen_len is None:
             raise ValueError("max_gen_len must be an integer here; Llama's methods read None as max_seq_len - 1")
-        max_gen_len = int(max_gen_len)
         if not isinstance(prompt_tokens, (list, tuple)) or any(not isinstance(t, (list, tuple)) for t in prompt_tokens):
             raise ValueError("prompt_tokens must be a list of token-ID lists; wrap a single prompt in a list")
         bsz = len(prompt_tokens)
@@ -175,9 +169,22 @@ class BatchDecoder:
                     f"Prompt {i} is {len(t)} tokens long, longer than max_seq_len={params.max_seq_len}; "
                     "shorten it or raise max_seq_len"
                 )
-        prompt_tokens = [
-            token_id_list(t, params.vocab_size, where=f"Prompt {i}: ") for i, t in enumerate(prompt_tokens)
-        ]
+        return [token_id_list(t, params.vocab_size, where=f"Prompt {i}: ") for i, t in enumerate(prompt_tokens)]
+
+    def start(
+        self,
+        prompt_tokens: Sequence[Sequence[int]],
+        max_gen_len: int,
+        temperature: float,
+        top_p: float,
+        logprobs: bool,
+        reuse: bool = True,
+    ) -> Batch:
+        """Check the arguments and lay out the batch, reusing the cached prefix where `reuse` and `prefix_cache`."""
+        prompt_tokens = self.checked_prompts(prompt_tokens, max_gen_len, temperature, top_p)
+        params = self.model.params
+        max_gen_len = int(max_gen_len)
+        bsz = len(prompt_tokens)
         total_len = min(params.max_seq_len, max_gen_len + max(len(t) for t in prompt_tokens))
         tokens = torch.full((bsz, total_len), self.tokenizer.pad_id, dtype=torch.long, device=self.device)
         for k, t in enumerate(prompt_tokens):

@@ -82,6 +82,9 @@ def batch_images(
     if max_images == 0:
         return None
     text_model, encoder = model.text_model, model.vision.encoder
+    # The images are prepared in the vision model's dtype, as Meta's code prepares them in its default dtype, which
+    # its build sets to the model's.
+    dtype = model.vision_model.vision_projection.weight.dtype
     image_len = MAX_TILES * encoder.tokens_per_tile
     bsz, device = len(prompts), text_model.tok_embeddings.weight.device
     starts = torch.zeros(bsz, max_images, dtype=torch.long)
@@ -94,7 +97,7 @@ def batch_images(
         keys_values.append(torch.zeros(shape, dtype=text_model.tok_embeddings.weight.dtype, device=device))
     for i, (tokens, row) in enumerate(zip(prompts, images)):
         for j, (image, (start, end)) in enumerate(zip(row, image_spans(tokens))):
-            its_tiles, (tiles_high, tiles_wide) = image_tiles(image, encoder.tile_size, model.vision.max_tiles)
+            its_tiles, (tiles_high, tiles_wide) = image_tiles(image, encoder.tile_size, MAX_TILES, dtype)
             tokens_of_image = model.image_tokens(its_tiles, tiles_high, tiles_wide)
             starts[i, j], ends[i, j] = start, model.params.max_seq_len if end is None else end
             tiles[i, j] = tiles_high * tiles_wide

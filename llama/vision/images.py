@@ -51,7 +51,11 @@ def open_image(source: ImageSource) -> Image.Image:
         path = Path(source)
         if not path.is_file():
             raise FileNotFoundError(f"No image file at {str(path)!r}: check the path.")
-        image, name = path.read_bytes(), f"The file {str(path)!r}"
+        name = f"The file {str(path)!r}"
+        try:
+            image = path.read_bytes()
+        except OSError as e:  # unreadable: permissions, a device, an I/O error
+            raise ValueError(f"{name} cannot be read ({e.strerror or e}): check its permissions.") from e
     elif isinstance(source, (bytes, bytearray)):
         image, name = bytes(source), f"The {len(source)} bytes given"
     elif isinstance(source, Image.Image):
@@ -99,7 +103,9 @@ def candidate_grids(max_tiles: int) -> List[Tuple[int, int]]:
     return [grid for grids in by_shape.values() for grid in grids]
 
 
-def best_canvas(width: int, height: int, tile_size: int, max_tiles: int) -> Tuple[int, int]:
+def best_canvas(
+    width: int, height: int, tile_size: int, max_tiles: int, dtype: torch.dtype = torch.float32
+) -> Tuple[int, int]:
     """The (width, height) in pixels of the tile grid that an image of `width` x `height` pixels fits best.
 
     The best grid needs the smallest scale factor >= 1 to fill it (without distortion), or, when every grid is
@@ -107,8 +113,12 @@ def best_canvas(width: int, height: int, tile_size: int, max_tiles: int) -> Tupl
     tiles (the first listed, if two have as many).
     """
     canvases = torch.tensor(candidate_grids(max_tiles)) * tile_size
-    # float32 ratios, as Meta's code computes them (integer tensor / int): the same numbers give the same ties.
-    scales = torch.minimum(canvases[:, 0] / width, canvases[:, 1] / height)
+    # Ratios in `dtype`, as Meta's code computes them (integer tensor / int, in torch's default dtype, which its
+    # build sets to the model's): the same numbers give the same ties. In bfloat16, 561 reads as 560.
+    sides = canvases.to(dtype)
+    scales = torch.minimum(
+        sides[:, 0] / torch.tensor(width, dtype=dtype), sides[:, 1] / torch.tensor(height, dtype=dtype)
+    )
     enlarging = scales[scales >= 1]
     scale = enlarging.min() if len(enlarging) else scales.max()
     fits = canvases[scales == scale]
@@ -129,17 +139,21 @@ def fitted_size(width: int, height: int, canvas: Tuple[int, int], tile_size: int
     return min(math.floor(width * scale_h), target_w), target_h
 
 
-def image_tiles(image: Image.Image, tile_size: int, max_tiles: int) -> Tuple[torch.Tensor, Tuple[int, int]]:
+def image_tiles(
+    image: Image.Image, tile_size: int, max_tiles: int, dtype: torch.dtype = torch.float32
+) -> Tuple[torch.Tensor, Tuple[int, int]]:
     """Cuts an image into normalized tiles for the vision encoder, as Meta's
-    `VariableSizeImageTransform(size=tile_size)(image, max_num_chunks=max_tiles)` does.
+    `VariableSizeImageTransform(size=tile_size)(image, max_num_chunks=max_tiles)` does with torch's default dtype
+    set to `dtype` (Meta's build sets it to the model's dtype, and its transform computes in it).
 
     Args:
         image: The image, RGB as `open_image` returns it (other modes go through the same steps as in Meta's code).
         tile_size: The side of a square tile in pixels (560 for Llama 3.2 Vision).
         max_tiles: The most tiles to use (4 for Llama 3.2 Vision).
+        dtype: The floating-point dtype of the grid's ratios and of the pixels: the model's.
 
     Returns:
-        The tiles, float32 of shape (tiles_high * tiles_wide, 3, tile_size, tile_size), row by row from the
+        The tiles, of shape (tiles_high * tiles_wide, 3, tile_size, tile_size) in `dtype`, row by row from the
         top-left, and the grid (tiles_high, tiles_wide).
 
     Raises:
@@ -154,7 +168,7 @@ def image_tiles(image: Image.Image, tile_size: int, max_tiles: int) -> Tuple[tor
     if image.width == 0 or image.height == 0:
         raise ValueError(f"The image is {image.width}x{image.height} pixels: an image needs at least one pixel.")
 
-    canvas_w, canvas_h = best_canvas(image.width, image.height, tile_size, max_tiles)
+    canvas_w, canvas_h = best_canvas(image.width, image.height, tile_size, max_tiles, dtype)
     size = fitted_size(image.width, image.height, (canvas_w, canvas_h), tile_size)
     if 0 in size:
         raise ValueError(
@@ -165,8 +179,8 @@ def image_tiles(image: Image.Image, tile_size: int, max_tiles: int) -> Tuple[tor
     padded.paste(image.resize(size, Image.Resampling.BILINEAR))  # at the top-left
 
     pixels = torch.frombuffer(bytearray(padded.tobytes()), dtype=torch.uint8).view(canvas_h, canvas_w, 3)
-    x = pixels.permute(2, 0, 1).contiguous().to(torch.float32).div(255)
-    x.sub_(torch.tensor(CLIP_MEAN).view(3, 1, 1)).div_(torch.tensor(CLIP_STD).view(3, 1, 1))
+    x = pixels.permute(2, 0, 1).contiguous().to(dtype).div(255)
+    x.sub_(torch.tensor(CLIP_MEAN, dtype=dtype).view(3, 1, 1)).div_(torch.tensor(CLIP_STD, dtype=dtype).view(3, 1, 1))
 
     high, wide = canvas_h // tile_size, canvas_w // tile_size
     tiles = x.view(3, high, tile_size, wide, tile_size).permute(1, 3, 0, 2, 4)

@@ -42,7 +42,12 @@ ENCODER_FIELDS = {
 class VisionArgs:
     cross_attention_layers: int  # vision_num_cross_attention_layers: 8 in 11B, 20 in 90B
     encoder: EncoderArgs = field(repr=False)
-    max_tiles: int = MAX_TILES  # vision_max_num_chunks
+
+
+def holds_vision_model(params: dict) -> bool:
+    """Whether a checkpoint's params (params.json's fields, or a Hugging Face config read as them) are a Llama 3.2
+    Vision model's: `vision_chunk_size` set, and not to -1, Meta's default for a text model."""
+    return params.get("vision_chunk_size", -1) != -1
 
 
 # Bounds of the vision fields, far above Llama 3.2 Vision's (tiles of 560 pixels; an encoder 1,280 wide, 32 + 8
@@ -60,7 +65,7 @@ def checked_size(name: str, value, bound: int, low: int = 1) -> int:
 def vision_args_from(params: dict, n_layers: int) -> Optional[VisionArgs]:
     """The vision fields of a params.json (None for a text model: no `vision_chunk_size`, or -1 as in Meta's
     defaults); a ValueError names a field that cannot work."""
-    if params.get("vision_chunk_size", -1) == -1:
+    if not holds_vision_model(params):
         extra = sorted(set(params) & (set(VISION_FIELDS[1:]) | set(ENCODER_FIELDS)))
         if extra:
             raise ValueError(f"params.json sets {extra} but no vision_chunk_size; a vision model needs it")
@@ -170,12 +175,11 @@ class TextModel(Transformer):
         self.images = None
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings, `<|image|>`'s from `learnable_embedding` (no branch on the tokens' values: a test
+        of them would wait for the device at every step)."""
         h = self.tok_embeddings(tokens)
-        is_image = tokens == IMAGE_TOKEN_ID
-        if is_image.any():
-            image = self.learnable_embedding(torch.zeros_like(tokens[:1, :1])).type_as(h)  # (1, 1, dim)
-            h = torch.where(is_image[..., None], image, h)
-        return h
+        image = self.learnable_embedding(torch.zeros_like(tokens[:1, :1])).type_as(h)  # (1, 1, dim)
+        return torch.where((tokens == IMAGE_TOKEN_ID)[..., None], image, h)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int, last_logits_only: bool = False) -> torch.Tensor:
