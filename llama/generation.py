@@ -18,7 +18,6 @@ from llama.checkpoint import (
     checked_int,
     find_tokenizer,
     load_checkpoint,
-    open_checkpoint,
 )
 from llama.checkpoint.draft import draft_model, draft_vocabulary
 from llama.decoding import BatchDecoder, Speed, Stopwatch
@@ -37,7 +36,7 @@ from llama.text import (
 )
 from llama.tokenizer import ChatFormat, Dialog, Message, StopReason, Tokenizer
 from llama.vision.batch import show_images
-from llama.vision.model import CrossAttentionTransformer, holds_vision_model
+from llama.vision.model import CrossAttentionTransformer
 
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 
@@ -134,8 +133,7 @@ class Llama:
         draft_vocab = draft_vocabulary(draft)
         if draft_quantize is not None and draft_vocab is None:
             raise ValueError("draft_quantize quantizes a draft model: give its checkpoint folder as draft")
-        if (prefix_cache or draft is not None or compile) and holds_vision_model(open_checkpoint(ckpt_dir).params):
-            raise ValueError("prefix_cache, draft and compile are not available with a Llama 3.2 Vision model")
+        text_only = prefix_cache or draft is not None or compile  # options a vision model does not have
         model, tokenizer, report = load_checkpoint(
             ckpt_dir,
             tokenizer_path,
@@ -148,6 +146,7 @@ class Llama:
             version,
             timeout,
             quantize,
+            "prefix_cache, draft and compile are not available with a Llama 3.2 Vision model" if text_only else None,
         )
         mp_size = fs_init.get_model_parallel_world_size()
         if isinstance(model, CrossAttentionTransformer):  # runs eagerly on the reference's modules (docs/vision.md)

@@ -319,6 +319,11 @@ def test_a_call_s_images_are_gone_after_it_even_after_an_error(vision_llama):
     assert vision_llama.model.text_model.images is None
 
 
+def test_a_vision_checkpoint_as_a_draft_model_is_refused(tiny_checkpoint, vision_checkpoint, tokenizer_path):
+    with pytest.raises(ValueError, match="A draft model must be a text model, not Llama 3.2 Vision"):
+        Llama.build(str(tiny_checkpoint), tokenizer_path, max_seq_len=64, device="cpu", draft=str(vision_checkpoint))
+
+
 def test_compiling_a_vision_model_s_step_is_refused(vision_llama):
     with pytest.raises(ValueError, match="decodes eagerly"):
         vision_llama.compile_decode_step()

@@ -41,6 +41,8 @@ def draft_model(ckpt_dir: str, vocab_size: int, model: RuntimeTransformer, *load
             f"The draft checkpoint {ckpt_dir} has a vocabulary of {vocab_size} tokens and the model "
             f"{model.vocab_size}: a draft must share the model's tokenizer (Llama 3.2 1B or 3B for Llama 3.x)"
         )
-    loaded, _, _ = load_checkpoint(ckpt_dir, *load_args)
+    loaded, _, _ = load_checkpoint(
+        ckpt_dir, *load_args, text_only="A draft model must be a text model, not Llama 3.2 Vision"
+    )
     draft, _ = for_runtime(loaded)
     return draft

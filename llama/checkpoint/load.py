@@ -209,10 +209,13 @@ def load_checkpoint(
     version: Optional[str],
     timeout: timedelta,
     quantize: Optional[str] = None,
+    text_only: Optional[str] = None,
 ) -> Tuple[Transformer, Tokenizer, LoadReport]:
     """The load sequence of `Llama.build` (see its docstring for the arguments): check the arguments against the
     checkpoint, join the process group, seed, read the tokenizer and this rank's weights (quantized, if asked, with
-    the int8 products' kernels chosen). The report says what was chosen, and how long this took."""
+    the int8 products' kernels chosen). The report says what was chosen, and how long this took. `text_only`: where
+    the caller needs a text model, the ValueError's message for a Llama 3.2 Vision checkpoint, raised before any
+    weight is read."""
     if tokenizer_path is not None and not isinstance(tokenizer_path, (str, os.PathLike)):
         raise ValueError(
             f"tokenizer_path must be the path of a tokenizer.model file or None, got {short_repr(tokenizer_path)}"
@@ -228,6 +231,8 @@ def load_checkpoint(
     reader = open_checkpoint(ckpt_dir)
     model_args, ignored = model_args_from(reader.params, max_seq_len=max_seq_len, max_batch_size=max_batch_size)
     vision = vision_args_from(reader.params, model_args.n_layers)
+    if vision is not None and text_only is not None:
+        raise ValueError(text_only)
     if max_seq_len > model_args.context_len:
         raise ValueError(
             f"max_seq_len={max_seq_len} exceeds this checkpoint's context of {model_args.context_len} tokens"
