@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import VISION_PARAMS, make_checkpoint
 from PIL import Image
 from test_chat_input import reader
 
@@ -18,36 +19,12 @@ from llama import Llama
 from llama.cli.chat import run_chat
 from llama.cli.chat_images import image_paths_in
 
-VISION_PARAMS = {
-    "dim": 64,
-    "n_layers": 4,
-    "n_heads": 4,
-    "n_kv_heads": 2,
-    "vocab_size": 128256,
-    "multiple_of": 32,
-    "ffn_dim_multiplier": None,
-    "norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "use_scaled_rope": True,
-    "vision_chunk_size": 28,
-    "vision_max_num_chunks": 4,
-    "vision_num_cross_attention_layers": 2,
-    "vision_encoder_width": 32,
-    "vision_encoder_layers": 4,
-    "vision_encoder_heads": 2,
-    "vision_encoder_global_layers": 2,
-    "vision_encoder_intermediate_layers": [0, 2, 3],
-}
 MAX_SEQ_LEN = 128
 
 
 @pytest.fixture(scope="module")
 def vision_checkpoint(tmp_path_factory) -> Path:
-    from llama.checkpoint import random_weights, write_meta_checkpoint
-
-    folder = tmp_path_factory.mktemp("vision") / "tiny"
-    write_meta_checkpoint(folder, VISION_PARAMS, random_weights(VISION_PARAMS, seed=0))
-    return folder
+    return make_checkpoint(tmp_path_factory.mktemp("vision") / "tiny", VISION_PARAMS)
 
 
 @pytest.fixture(scope="module")

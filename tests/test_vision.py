@@ -54,6 +54,16 @@ def greedy(llama: Llama, dialog) -> dict:
     return llama.chat_completion([dialog], temperature=0, max_gen_len=STEPS, logprobs=True)[0]
 
 
+def next_token_logprobs(llama: Llama, tokens: list, image_data: bytes) -> torch.Tensor:
+    """The log-probabilities of the token after `tokens` (a prompt with one <|image|>, `image_data`)."""
+    from llama.vision.batch import show_images
+
+    show_images(llama.model, [tokens], [[image_data]])
+    logits = llama.model.text_model.forward(torch.tensor([tokens]), 0)[0, -1]
+    show_images(llama.model, [tokens], [])
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
 def test_the_load_report_names_a_vision_model(vision_llama, tiny_llama):
     assert "vision model" in str(vision_llama.load_report)
     assert "vision" not in str(tiny_llama.load_report)
@@ -220,17 +230,9 @@ def worker_dialogs() -> list:
 def test_bfloat16_computes_what_float32_does(vision_llama, vision_checkpoint, tokenizer_path, process_group):
     """In bfloat16 the tiles, the encoder and the cross-attention run in bfloat16 too: the next token's
     log-probabilities stay within bfloat16's rounding of float32's."""
-    from llama.vision.batch import show_images
-
     half = Llama.build(str(vision_checkpoint), tokenizer_path, max_seq_len=64, device="cpu", dtype="bfloat16")
-    dialog = dialog_with(image(png_bytes(60, 40)), text("What is it?"))
-    tokens = vision_llama.formatter.encode_dialog_prompt(dialog)
-    logprobs = []
-    for llama in (vision_llama, half):
-        show_images(llama.model, [tokens], [[png_bytes(60, 40)]])
-        logits = llama.model.text_model.forward(torch.tensor([tokens]), 0)[0, -1]
-        logprobs.append(torch.log_softmax(logits.float(), dim=-1))
-        show_images(llama.model, [tokens], [])
+    tokens = vision_llama.formatter.encode_dialog_prompt(dialog_with(image(png_bytes(60, 40)), text("What is it?")))
+    logprobs = [next_token_logprobs(llama, tokens, png_bytes(60, 40)) for llama in (vision_llama, half)]
     assert half.model.text_model.tok_embeddings.weight.dtype == torch.bfloat16
     assert (logprobs[0] - logprobs[1]).abs().max() < 0.1
 
@@ -262,7 +264,6 @@ def test_quantize_keeps_the_text_model_s_layers_in_few_bits(
     """`quantize=` quantizes the text model's linear layers, the cross-attention blocks' among them, and leaves the
     encoder in floating point; the next token's distribution stays near float32's."""
     from llama.runtime.quantized import QuantizedLinear
-    from llama.vision.batch import show_images
 
     quantized = Llama.build(str(vision_checkpoint), tokenizer_path, max_seq_len=64, device="cpu", quantize=scheme)
     text_model, encoder = quantized.model.text_model, quantized.model.vision_model.vision_encoder
@@ -273,11 +274,7 @@ def test_quantize_keeps_the_text_model_s_layers_in_few_bits(
     assert encoder.transformer.resblocks[0].attn.wq.weight.dtype == torch.bfloat16
     dialog = dialog_with(image(png_bytes(60, 40)), text("What is it?"))
     tokens = vision_llama.formatter.encode_dialog_prompt(dialog)
-    logprobs = []
-    for llama in (vision_llama, quantized):
-        show_images(llama.model, [tokens], [[png_bytes(60, 40)]])
-        logits = llama.model.text_model.forward(torch.tensor([tokens]), 0)[0, -1]
-        logprobs.append(torch.log_softmax(logits.float(), dim=-1))
+    logprobs = [next_token_logprobs(llama, tokens, png_bytes(60, 40)) for llama in (vision_llama, quantized)]
     assert (logprobs[0].exp() * (logprobs[0] - logprobs[1])).sum() < tolerance
 
 

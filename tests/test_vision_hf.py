@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import VISION_PARAMS, png_bytes
+from helpers import VISION_PARAMS, make_checkpoint, png_bytes
 
 from llama import Llama
-from llama.checkpoint import random_weights, write_meta_checkpoint
 from llama.checkpoint.convert import hf_to_meta
 from llama.checkpoint.hf_mllama_config import aspect_ratios, mllama_config, mllama_config_to_params
 from llama.cli.convert import main as convert
@@ -68,7 +67,7 @@ def answer(llama: Llama, image: bytes) -> tuple:
 def folders(tmp_path_factory):
     """The Meta checkpoint and the HF folder `llama convert to-hf` writes for it."""
     root = tmp_path_factory.mktemp("vision_hf")
-    write_meta_checkpoint(root / "meta", VISION_PARAMS, random_weights(VISION_PARAMS, seed=3))
+    make_checkpoint(root / "meta", VISION_PARAMS, seed=3)
     convert(["to-hf", str(root / "meta"), str(root / "hf")])
     return root / "meta", root / "hf"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import VISION_PARAMS, png_bytes
+from helpers import VISION_PARAMS, make_checkpoint, png_bytes
 from meta_vision import meta_multimodal
 
 from llama import Llama
@@ -63,16 +63,20 @@ CASES = [
 ]
 
 
-def write_checkpoint(folder: Path, params: dict) -> Path:
-    from llama.checkpoint import random_weights, write_meta_checkpoint
-
-    write_meta_checkpoint(folder, params, random_weights(params, seed=3))
-    return folder
+def our_llama(checkpoint: Path, tokenizer_path: str) -> Llama:
+    return Llama.build(
+        str(checkpoint),
+        tokenizer_path,
+        max_seq_len=MAX_SEQ_LEN,
+        max_batch_size=MAX_BATCH_SIZE,
+        device="cpu",
+        dtype="float32",
+    )
 
 
 @pytest.fixture(scope="module")
 def small_checkpoint(tmp_path_factory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("vision") / "small", {**TEXT_PARAMS, **SMALL_ENCODER})
+    return make_checkpoint(tmp_path_factory.mktemp("vision") / "small", VISION_PARAMS, seed=3)
 
 
 def small_encoder(monkeypatch, multimodal) -> None:
@@ -172,14 +176,7 @@ def compare(llama: Llama, meta, dialog) -> float:
 
 @pytest.fixture(scope="module")
 def small_pair(small_checkpoint, tokenizer_path, process_group):
-    llama = Llama.build(
-        str(small_checkpoint),
-        tokenizer_path,
-        max_seq_len=MAX_SEQ_LEN,
-        max_batch_size=MAX_BATCH_SIZE,
-        device="cpu",
-        dtype="float32",
-    )
+    llama = our_llama(small_checkpoint, tokenizer_path)
     with pytest.MonkeyPatch.context() as monkeypatch:
         small_encoder(monkeypatch, meta_multimodal())
         meta = meta_generator(small_checkpoint, {**TEXT_PARAMS})
@@ -194,15 +191,8 @@ def test_answers_as_metas_code_does(small_pair, name, dialog):
 
 @pytest.mark.slow
 def test_metas_full_size_encoder_gives_the_same_answers(tmp_path, tokenizer_path, process_group):
-    checkpoint = write_checkpoint(tmp_path / "full", TEXT_PARAMS)
-    llama = Llama.build(
-        str(checkpoint),
-        tokenizer_path,
-        max_seq_len=MAX_SEQ_LEN,
-        max_batch_size=MAX_BATCH_SIZE,
-        device="cpu",
-        dtype="float32",
-    )
+    checkpoint = make_checkpoint(tmp_path / "full", TEXT_PARAMS, seed=3)
+    llama = our_llama(checkpoint, tokenizer_path)
     meta = meta_generator(checkpoint, TEXT_PARAMS)
     for name, dialog in CASES:
         if name in ("four tiles", "text first", "two images"):
