@@ -133,7 +133,7 @@ class Llama:
         draft_vocab = draft_vocabulary(draft)
         if draft_quantize is not None and draft_vocab is None:
             raise ValueError("draft_quantize quantizes a draft model: give its checkpoint folder as draft")
-        text_only = prefix_cache or draft is not None or compile  # options a vision model does not have
+        text_only = draft_vocab is not None or compile  # options a vision model does not have
         model, tokenizer, report = load_checkpoint(
             ckpt_dir,
             tokenizer_path,
@@ -146,20 +146,17 @@ class Llama:
             version,
             timeout,
             quantize,
-            "prefix_cache, draft and compile are not available with a Llama 3.2 Vision model" if text_only else None,
+            "A draft model and compile are not available with a Llama 3.2 Vision model" if text_only else None,
         )
         mp_size = fs_init.get_model_parallel_world_size()
-        if isinstance(model, CrossAttentionTransformer):  # runs eagerly on the reference's modules (docs/vision.md)
-            runtime, decode_step = model, None
-        else:
-            runtime, decode_step = for_runtime(
-                model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size
-            )
+        runtime, decode_step = for_runtime(model, compile=compile, cuda_graphs=cuda_graphs, model_parallel_size=mp_size)
         if draft_vocab is not None:
             shared_tokenizer = find_tokenizer(ckpt_dir, tokenizer_path)
             draft_args = (shared_tokenizer, max_seq_len, 1, mp_size, seed, runtime.tok_embeddings.weight.device)
             draft = draft_model(draft, draft_vocab, runtime, *draft_args, dtype, version, timeout, draft_quantize)
-        generator = Llama(runtime, tokenizer, decode_step, prefix_cache, draft, draft_max)
+        # A vision model's generator holds the whole model, its text model now `runtime` (`for_runtime`).
+        served = model if isinstance(model, CrossAttentionTransformer) else runtime
+        generator = Llama(served, tokenizer, decode_step, prefix_cache, draft, draft_max)
         report.seconds = time.time() - start  # with the runtime's choices
         report.kernels = getattr(runtime, "kernels_in_use", None)
         generator.load_report = report

@@ -178,10 +178,49 @@ def test_a_malformed_part_is_named(vision_llama):
         vision_llama.text_completion([[{"type": "image"}]], max_gen_len=2)
 
 
-@pytest.mark.parametrize("option", [{"prefix_cache": True}, {"draft": "lookup"}, {"compile": True}])
-def test_options_a_vision_model_does_not_have_are_refused(vision_checkpoint, tokenizer_path, process_group, option):
+@pytest.mark.parametrize("option", ["draft", "compile"])
+def test_options_a_vision_model_does_not_have_are_refused(
+    vision_checkpoint, tiny_checkpoint, tokenizer_path, process_group, option
+):
+    options = {"draft": str(tiny_checkpoint)} if option == "draft" else {"compile": True}
     with pytest.raises(ValueError, match="not available with a Llama 3.2 Vision model"):
-        Llama.build(str(vision_checkpoint), tokenizer_path, max_seq_len=64, device="cpu", **option)
+        Llama.build(str(vision_checkpoint), tokenizer_path, max_seq_len=64, device="cpu", **options)
+
+
+def test_the_prefix_cache_and_prompt_lookup_keep_the_answers_and_reuse_nothing_an_image_sees(
+    vision_checkpoint, vision_llama, tokenizer_path, process_group
+):
+    """A conversation's turns with the prefix cache and prompt lookup on: each answer (tokens, logprobs) is the one a
+    cold call gives, and the tokens reused stop before the first <|image|>: those after it saw the image."""
+    cached = Llama.build(
+        str(vision_checkpoint),
+        tokenizer_path,
+        max_seq_len=160,
+        max_batch_size=2,
+        device="cpu",
+        dtype="float32",
+        prefix_cache=True,
+        draft="lookup",
+    )
+    system = {"role": "system", "content": "You describe pictures in a few words, plainly and briefly."}
+    dialog = [system, *dialog_with(text("Look:"), image(png_bytes(40, 30)), text("What is it? What is it?"))]
+    image_token = cached.tokenizer.special_tokens["<|image|>"]
+    proposed = 0
+    for turn in range(3):
+        answer = greedy(cached, dialog)  # with logprobs: no speculation
+        cold = greedy(vision_llama, dialog)
+        assert answer["tokens"] == cold["tokens"]
+        assert answer["logprobs"] == pytest.approx(cold["logprobs"], abs=1e-4)
+        reused = cached.decoder.last_reused[0]
+        assert reused <= cached.formatter.encode_dialog_prompt(dialog).index(image_token)
+        assert reused > 0 if turn else reused == 0  # the system prompt, run once
+        guessed = cached.chat_completion([dialog], temperature=0, max_gen_len=12)[0]["generation"]
+        assert guessed == vision_llama.chat_completion([dialog], temperature=0, max_gen_len=12)[0]["generation"]
+        proposed += cached.decoder.last_drafts.proposed
+        dialog = dialog + [answer["generation"], {"role": "user", "content": "What is it? And its colour?"}]
+    assert proposed > 0  # prompt lookup guessed, and was checked against the images' answers
+    dialog[1]["content"][1] = image(png_bytes(30, 40))  # the same tokens, another image: its own answer
+    assert greedy(cached, dialog)["logprobs"] == pytest.approx(greedy(vision_llama, dialog)["logprobs"], abs=1e-4)
 
 
 @settings(max_examples=25)
@@ -278,16 +317,6 @@ def test_quantize_keeps_the_text_model_s_layers_in_few_bits(
     assert (logprobs[0].exp() * (logprobs[0] - logprobs[1])).sum() < tolerance
 
 
-@pytest.mark.slow
-def test_the_server_refuses_a_vision_model_before_loading(vision_checkpoint, tokenizer_path):
-    command = [sys.executable, "-m", "llama", "serve", str(vision_checkpoint), "--tokenizer_path", tokenizer_path]
-    env = dict(os.environ, PYTHONPATH=with_repo(REPO))
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 2
-    assert "does not serve yet" in done.stderr and "Traceback" not in done.stderr
-    assert "Serving" not in done.stdout
-
-
 def test_conversions_for_text_models_only_refuse_a_vision_model(vision_checkpoint, tmp_path):
     from llama.checkpoint.convert import quantize_checkpoint, to_gguf
 
@@ -298,22 +327,27 @@ def test_conversions_for_text_models_only_refuse_a_vision_model(vision_checkpoin
     assert not (tmp_path / "int8").exists() and not (tmp_path / "model.gguf").exists()
 
 
+def images_held(llama: Llama) -> list:
+    """The cache rows that hold images' keys and values."""
+    return [row for row in llama.model.text_model.images.rows if row is not None]
+
+
 def test_a_call_s_images_are_gone_after_it_even_after_an_error(vision_llama):
     """The keys and values of a call's images are not kept once it returns (they are 200 MiB an image in 11B), and
     a call that fails on a cheap check fails before its images are read."""
     dialog = dialog_with(image(png_bytes(40, 30)), text("What is it?"))
     vision_llama.chat_completion([dialog], temperature=0, max_gen_len=2)
-    assert vision_llama.model.text_model.images is None
+    assert not images_held(vision_llama)
     stream = vision_llama.chat_completion_stream([dialog], temperature=0, max_gen_len=2)
     next(stream)
-    assert vision_llama.model.text_model.images is not None  # while the answer streams
+    assert images_held(vision_llama)  # while the answer streams
     stream.close()
-    assert vision_llama.model.text_model.images is None
+    assert not images_held(vision_llama)
     with pytest.raises(ValueError, match="temperature"):
         vision_llama.chat_completion([dialog_with(image(b"not an image"), text("Hi"))], temperature=-1)
     with pytest.raises(ValueError, match="exceed max_batch_size"):
         vision_llama.chat_completion([dialog_with(image(b"not an image"), text("Hi"))] * 3)
-    assert vision_llama.model.text_model.images is None
+    assert not images_held(vision_llama)
 
 
 def test_a_vision_checkpoint_as_a_draft_model_is_refused(tiny_checkpoint, vision_checkpoint, tokenizer_path):

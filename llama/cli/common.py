@@ -184,13 +184,10 @@ BUILD_FLAGS = (
 
 def build_from_flags(args):
     """`Llama.build` on a command line's parsed flags (`ckpt_dir`, `tokenizer_path`, `max_seq_len`,
-    `max_batch_size`, and those of `BUILD_FLAGS` it has), then what was loaded said on rank 0's stderr. A
-    `prefix_cache` of None (no flag given) is on, except for a vision model, which runs without it."""
+    `max_batch_size`, and those of `BUILD_FLAGS` it has), then what was loaded said on rank 0's stderr."""
     from llama.generation import Llama
 
     options = {name: getattr(args, name) for name in BUILD_FLAGS if hasattr(args, name)}
-    if "prefix_cache" in options and options["prefix_cache"] is None:
-        options["prefix_cache"] = not checkpoint_takes_images(args.ckpt_dir)
     generator = Llama.build(args.ckpt_dir, args.tokenizer_path, args.max_seq_len, args.max_batch_size, **options)
     print(generator.load_report, file=rank0_stream(sys.stderr), flush=True)
     return generator

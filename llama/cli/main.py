@@ -82,10 +82,9 @@ def add_model_flags(parser: argparse.ArgumentParser, max_gen_len: Optional[int])
         "--noprefix_cache",
         dest="prefix_cache",
         action="store_false",
-        default=None,  # on, but for a vision model (`build_from_flags`)
         help="run each prompt from its first token, as Meta's code does (default: reuse what the KV cache holds from "
         "the last turn: in float32 the same greedy tokens; in bfloat16 a near-tie may break otherwise, and a seeded "
-        "sample can differ from a cold run's; a vision model never reuses it)",
+        "sample can differ from a cold run's; a vision model reuses what comes before a prompt's first image)",
     )
     add_draft_flags(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="show the library's log records (INFO)")

@@ -9,7 +9,8 @@ runs here, and everything it runs on. `for_runtime` applies it, in named steps, 
 - `parallel_layers`: the layers every device runs (`ParallelLinear`, `ParallelEmbedding`) and `KernelLinear`, whose
   product runs on the table's kernel;
 - `cpu`: the CPU's float kernels and layers, and its quantized products; `quantized`: the quantized layers;
-- `cuda_graphs` and `compiled`: the decode step replayed as CUDA graphs, or compiled by torch.compile.
+- `cuda_graphs` and `compiled`: the decode step replayed as CUDA graphs, or compiled by torch.compile;
+- `vision`: `RuntimeVisionText`, a Llama 3.2 Vision model's text model, its images kept per cache row.
 
 The names below are those the rest of the package uses; the tests and benchmarks reach the modules themselves.
 """

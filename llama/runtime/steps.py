@@ -6,7 +6,7 @@ import functools
 import logging
 import types
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 from fairscale.nn.model_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -30,13 +30,15 @@ from llama.runtime.parallel_layers import (
 from llama.runtime.quantized import Int8Linear, is_quantized, quantize_layer
 from llama.runtime.stacked import Stack, stacked
 from llama.runtime.transformer import DecodeStep, RuntimeTransformer
+from llama.runtime.vision import RuntimeVisionText
+from llama.vision.model import CrossAttentionTransformer
 
 LINEAR = (ColumnParallelLinear, RowParallelLinear)
 logger = logging.getLogger(__name__)
 
 
 def for_runtime(
-    model: Transformer,
+    model: Union[Transformer, CrossAttentionTransformer],
     *,
     compile: Optional[bool] = False,
     cuda_graphs: bool = False,
@@ -51,6 +53,8 @@ def for_runtime(
        positions and cache rows for the engine, layers of one input stacked into one product on the CPU where their
        kernel reads a float16 or fbgemm int8 copy (`llama.runtime.stacked`), and on the CPU float32 matmuls for one
        new position's bfloat16 attention from the cache length the kernel table gives (`attention_kernel`).
+       A Llama 3.2 Vision model's text model becomes `RuntimeVisionText` (`llama.runtime.vision`), in place of
+       `model.text_model`, and its vision encoder runs as the reference's (steps 1, 3 and 4 are the text model's).
     3. `use_parallel_layers`: every fairscale layer left (all of them off the CPU) becomes `ParallelLinear` or
        `ParallelEmbedding`: the collectives called directly and skipped in one process, traceable by torch.compile.
     4. `use_table_kernels`: each `KernelLinear` (the CPU's float layers, the quantized ones) runs the kernel table's
@@ -59,14 +63,23 @@ def for_runtime(
        `compiles_by_default`), else on one CUDA GPU replayed as CUDA graphs where `cuda_graphs` (`use_cuda_graphs`,
        `CUDAGraphDecodeStep`).
 
+    A vision model's images change from call to call and decide which rows run each cross-attention block, so its
+    steps run eagerly: it is neither compiled nor replayed as CUDA graphs (the caller refuses `compile`).
+
     Nothing is timed: the kernels depend only on the device, the weights and each call's row count.
     """
-    if runs_on_cpu_kernels(model):
-        use_cpu_kernels(model)
-    runtime = RuntimeTransformer(model, attention_kernel(model), stacked)
+    vision = isinstance(model, CrossAttentionTransformer)
+    text = model.text_model if vision else model
+    if runs_on_cpu_kernels(text):
+        use_cpu_kernels(text)
+    kernel = attention_kernel(text)
+    runtime = RuntimeVisionText(model, kernel, stacked) if vision else RuntimeTransformer(text, kernel, stacked)
     use_parallel_layers(runtime)
     use_table_kernels(runtime)
     runtime.kernels_in_use = kernels_in_use(runtime)  # what the load report says of the choices
+    if vision:
+        model.text_model = runtime
+        return runtime, None
     if compile is None and compiles_by_default(runtime, model_parallel_size):
         logger.info("Quantized weights on CUDA: the decode step will be compiled (compile=False replays CUDA graphs)")
         compile = True

@@ -7,7 +7,7 @@ weights under the same state-dict keys) and adds what decoding needs beyond `Tra
 - `cached`: the tokens each cache row holds (`CachedTokens`), for prefix reuse, and `copy_cached` between rows.
 """
 
-from typing import Callable, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +80,8 @@ class RuntimeTransformer(Transformer):
         self.params, self.vocab_size, self.n_layers = model.params, model.vocab_size, model.n_layers
         self.tok_embeddings = model.tok_embeddings
         self.layers = nn.ModuleList(RuntimeBlock(block, one_position_attention, stack) for block in model.layers)
+        # What each position runs through, in order: the layers (a vision model's cross-attention blocks among them).
+        self.blocks: List[nn.Module] = list(self.layers)
         self.norm = model.norm
         self.output = model.output
         self.freqs_cis = model.freqs_cis
@@ -102,6 +104,9 @@ class RuntimeTransformer(Transformer):
             cache.cache_v[target, start:end] = cache.cache_v[source, start:end]
         self.cached.wrote(target, start, self.cached[source][start:end])
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
     @torch.inference_mode()
     def forward(
         self, tokens: torch.Tensor, start_pos: int, last_logits_only: bool = False, first_row: int = 0
@@ -112,10 +117,10 @@ class RuntimeTransformer(Transformer):
         written = tokens.tolist()
         for row in range(first_row, first_row + len(written)):  # overwritten from start_pos on, even on failure
             self.cached.keep(row, start_pos)
-        h = self.tok_embeddings(tokens)
+        h = self.embed(tokens)
         freqs_cis = self.rope_at(start_pos, seqlen, h.device)
         mask = causal_mask(seqlen, start_pos, h)
-        for layer in self.layers:
+        for layer in self.blocks:
             last_only = last_logits_only and layer is self.layers[-1]
             h = layer(h, start_pos, freqs_cis, mask, last_only, first_row)
         for row, row_tokens in enumerate(written, start=first_row):
@@ -132,13 +137,13 @@ class RuntimeTransformer(Transformer):
         `llama.serve.engine`). The RoPE table must exist: `init_kv_caches` or a first `forward` made it. It may run
         compiled or as a CUDA graph, so it does not record what it writes in `cached`: its callers do.
         """
-        h = self.tok_embeddings(tokens)  # (bsz, 1, dim)
+        h = self.embed(tokens)  # (bsz, 1, dim)
         cache_positions = torch.arange(self.attended_positions(position), device=tokens.device)
         mask = cache_positions[None, :] <= position[:, None]  # (1 or bsz, positions): the positions written
         freqs_cis = self.freqs_cis[position]  # (1 or bsz, head_dim // 2)
         if len(position) > 1:
             mask = mask[:, None, None, :]  # (bsz, 1, 1, positions): each row's own, for every head
-        for layer in self.layers:
+        for layer in self.blocks:
             h = layer(h, position, freqs_cis, mask)
         return self.output(self.norm(h)).float()
 

@@ -9,7 +9,7 @@ import secrets
 import threading
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, List, Optional, Type, TypeVar, Union
+from typing import Any, AsyncIterator, Callable, List, Optional, Sequence, Type, TypeVar, Union
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -33,21 +33,28 @@ from llama.serve.protocol import (
     TokenizePrompt,
 )
 from llama.serve.requests import Output, QueueFull
-from llama.tokenizer import ChatFormat, Tokenizer
+from llama.text import dialog_images
+from llama.tokenizer import ChatFormat, Message, Tokenizer
+from llama.vision.batch import ImageTiles
 
 # How often a request checks that its client is still there.
 DISCONNECT_POLL_S = 0.2
 # Larger bodies are refused before they are read whole (a prompt of max_seq_len tokens is far smaller).
 MAX_BODY_BYTES = 16 * 2**20
+# A vision model's: room for the base64 of four photos (`llama.vision.batch.MAX_IMAGES`) of up to 12 MiB each.
+VISION_MAX_BODY_BYTES = 64 * 2**20
 
 M = TypeVar("M", bound=BaseModel)
 
 
 class Service:
-    """What the routes need: the engine and its thread, the tokenizer, and the name the model is served under."""
+    """What the routes need: the engine and its thread, the tokenizer, the name the model is served under, and
+    whether it takes images (Llama 3.2 Vision), which also sets the largest body a request may have."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, takes_images: bool = False):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.takes_images = takes_images
+        self.max_body_bytes = VISION_MAX_BODY_BYTES if takes_images else MAX_BODY_BYTES
         self.formatter = ChatFormat(tokenizer)
         self.created = int(time.time())
         self.thread = threading.Thread(target=engine.run, name="engine", daemon=True)
@@ -84,6 +91,11 @@ class Service:
             )
         return limit - len(prompt) if max_tokens is None else max_tokens
 
+    def image_inputs(self, dialog: List[Message]) -> List[ImageTiles]:
+        """The images of a dialog (`dialog_of`'s, opened), tiled as the vision model takes them; a ValueError for
+        one too long and thin to tile."""
+        return [self.engine.model.image_input(image) for image in dialog_images([dialog])[0]]
+
     def submit(
         self,
         http: Request,
@@ -92,11 +104,12 @@ class Service:
         top_logprobs: Optional[int],
         score_prompt: bool = False,
         grammar: Optional[Grammar] = None,
+        images: Sequence[ImageTiles] = (),
     ) -> List[AsyncIterator[Output]]:
         """Queue a request per choice of `answer` now (all or none: APIError 429 when the queue is full), with
         `max_tokens` per prompt; return each one's outputs as they will come. Leaving them early (a stop string, a
         client gone) cancels the request. Sample k of a seeded request draws with seed + k. Each answer follows
-        `grammar`, if any."""
+        `grammar`, if any, and sees `images` (`image_inputs`)."""
         loop, body = asyncio.get_running_loop(), answer.body
         requests, queues = [], []
         for choice in answer.choices:
@@ -112,6 +125,7 @@ class Service:
                     top_logprobs=top_logprobs,
                     score_prompt=score_prompt,
                     constraint=None if grammar is None else grammar.start(),
+                    images=list(images),
                 )
             )
             queues.append(queue)
@@ -150,14 +164,15 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-async def parse(http: Request, model: Union[Type[M], Callable[[Any], Type[M]]]) -> M:
+async def parse(http: Request, model: Union[Type[M], Callable[[Any], Type[M]]], max_bytes: int) -> M:
     """The request's JSON body, whatever its Content-Type, checked against `model` (or the model that `model`
-    picks for the decoded body); an APIError (400) names the first problem and the field it concerns."""
+    picks for the decoded body); an APIError (400) names the first problem and the field it concerns, an APIError
+    (413) a body over `max_bytes`."""
     body = bytearray()
     async for piece in http.stream():
         body += piece
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(413, f"The request body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
+        if len(body) > max_bytes:
+            raise APIError(413, f"The request body is over {max_bytes} bytes", code="request_too_large")
     try:
         data = json.loads(body)
         if not isinstance(model, type):
@@ -184,7 +199,7 @@ ERROR_STATUSES = {
     400: "A malformed body, a field out of range, a prompt that does not fit",
     401: "A missing or wrong API key (where the server has one)",
     404: "Another model's name",
-    413: f"A body over {MAX_BODY_BYTES} bytes",
+    413: f"A body over {MAX_BODY_BYTES} bytes ({VISION_MAX_BODY_BYTES} for a model that takes images)",
     429: "Every row busy and the queue full",
     503: "The server shut down before the answer was done",
 }
@@ -254,9 +269,9 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
     # vLLM's tokenizer endpoints, at the root and without the API key as vLLM has them (lm-eval's remote tokenizer).
     @app.post("/tokenize", openapi_extra=json_body(TokenizePrompt, TokenizeChat), responses=errors(400, 413))
     async def tokenize_route(http: Request):
-        body = await parse(http, tokenize_model)
+        body = await parse(http, tokenize_model, service.max_body_bytes)
         try:
-            tokens = await run_in_threadpool(tokenize, body, service.formatter)
+            tokens = await run_in_threadpool(tokenize, body, service.formatter, service.takes_images)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         strs = [service.tokenizer.decode_bytes([t]).decode("utf-8", errors="replace") for t in tokens]
@@ -269,7 +284,7 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
 
     @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest), responses=errors(400, 413))
     async def detokenize(http: Request):
-        body = await parse(http, DetokenizeRequest)
+        body = await parse(http, DetokenizeRequest, service.max_body_bytes)
         check_in_vocabulary(body.tokens, service.engine.model.params.vocab_size, "tokens")
         return {"prompt": service.tokenizer.decode(body.tokens)}
 
@@ -289,6 +304,8 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
     @app.get("/v1/models", dependencies=guarded, responses=errors(401))
     async def models():
         model = {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "llama"}
+        # The inputs the model reads, under OpenRouter's name for them (OpenAI's model object has no such field).
+        model["input_modalities"] = ["text", "image"] if service.takes_images else ["text"]
         return {"object": "list", "data": [model]}
 
     streamed = {"description": "The answer; with stream, server-sent events", "content": {"text/event-stream": {}}}
@@ -298,17 +315,19 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
         "/v1/chat/completions", dependencies=guarded, openapi_extra=json_body(ChatRequest), responses=completion_errors
     )
     async def chat_completions(http: Request):
-        body = await parse(http, ChatRequest)
+        body = await parse(http, ChatRequest, service.max_body_bytes)
         check_model(body)
-        try:  # in a worker thread: a long prompt must not stall the other requests' streams
-            prompt = await run_in_threadpool(service.formatter.encode_dialog_prompt, dialog_of(body, service.formatter))
+        try:  # in worker threads: a long prompt, or images to decode, must not stall the other requests' streams
+            dialog = await run_in_threadpool(dialog_of, body, service.formatter, service.takes_images)
+            prompt = await run_in_threadpool(service.formatter.encode_dialog_prompt, dialog)
+            images = await run_in_threadpool(service.image_inputs, dialog)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         max_tokens = service.prompt_room(prompt, body.max_completion_tokens or body.max_tokens, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         # Made before the engine gets the request: this checks `stop` too.
         chat = ChatAnswer(service.formatter, service.model_name, body, prompt)
-        outputs = service.submit(http, chat, [max_tokens], top, grammar=await service.grammar(body))
+        outputs = service.submit(http, chat, [max_tokens], top, grammar=await service.grammar(body), images=images)
         if body.stream:
             return event_stream(chat.stream(outputs))
         return await chat.whole(outputs)
@@ -317,7 +336,7 @@ def create_app(service: Service, api_key: Optional[str] = None) -> FastAPI:
         "/v1/completions", dependencies=guarded, openapi_extra=json_body(CompletionRequest), responses=completion_errors
     )
     async def completions(http: Request):
-        body = await parse(http, CompletionRequest)
+        body = await parse(http, CompletionRequest, service.max_body_bytes)
         check_model(body)
         vocab_size = service.engine.model.params.vocab_size
         prompts = await run_in_threadpool(completion_prompts, body.prompt, service.tokenizer, vocab_size)

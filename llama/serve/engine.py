@@ -11,7 +11,8 @@ A row keeps its keys and values when its request ends (`RuntimeTransformer.cache
 of its prompt (a conversation's next turn finds its own row), else an empty one; where every free row would lose
 tokens, the one used least recently. Before each prompt chunk, the longest start of the prompt that any row holds
 is copied from it (`RuntimeTransformer.copy_cached`), which is far cheaper than running it again: requests that
-share a few-shot context or a system prompt run it once, whichever rows they are given.
+share a few-shot context or a system prompt run it once, whichever rows they are given. (On a Llama 3.2 Vision model,
+only what comes before a prompt's first image is reused; a request's images are encoded for its row as it starts.)
 
 Each request samples with its own temperature, top_p and `torch.Generator`, as `Llama.generate` samples a batch of
 one: greedy requests get the tokens they would get alone (up to the rounding of a batched product), and a seeded
@@ -38,10 +39,12 @@ from llama.decoding.next_token import advance_grammars, masked_to_grammars, scor
 from llama.decoding.sampling import sample_next
 from llama.runtime import DecodeStep, RuntimeTransformer
 from llama.runtime.cached_tokens import common_prefix_length
+from llama.runtime.vision import RuntimeVisionText
 from llama.serve.engine_plan import Plan, PlanChannel, run_plan
 from llama.serve.requests import Output, QueueFull, Request
 from llama.serve.speculation import Guesser, Speculation
 from llama.tokenizer import Tokenizer, stop_reason
+from llama.vision.batch import ImageTiles
 
 
 @dataclass
@@ -112,6 +115,8 @@ class Engine:
         self.arrivals = itertools.count()
         self.sampled = 0  # tokens sampled since the start, stop tokens included
         self.speculation = None if draft is None else Speculation(draft, draft_max, distributed=channel is not None)
+        self.takes_images = isinstance(model, RuntimeVisionText)
+        self.images_to_show: List[Tuple[int, List[int], List[ImageTiles]]] = []  # for the next plan's `images`
 
     @property
     def max_seq_len(self) -> int:
@@ -121,9 +126,11 @@ class Engine:
         """Queue `request` for the next free row.
 
         Raises:
-            ValueError: When its prompt and max_tokens do not fit in max_seq_len.
+            ValueError: When its prompt and max_tokens do not fit in max_seq_len, or it has images for a text model.
             QueueFull: When max_queue requests are already waiting.
         """
+        if request.images and not self.takes_images:
+            raise ValueError("This model takes no images: it is a text model")
         if not request.prompt or len(request.prompt) + request.max_tokens > self.max_seq_len:
             raise ValueError(
                 f"{len(request.prompt)} prompt tokens and max_tokens={request.max_tokens} exceed "
@@ -146,10 +153,9 @@ class Engine:
         """Rows in use and free, requests waiting, tokens sampled so far and prompt tokens reused so far."""
         with self.wakeup:
             running = sum(row is not None for row in self.rows)
-            free = len(self.rows) - running
             load = {
                 "running": running,
-                "free_rows": free,
+                "free_rows": len(self.rows) - running,
                 "waiting": len(self.waiting),
                 "sampled_tokens": self.sampled,
                 "reused_prompt_tokens": self.reused,
@@ -222,9 +228,11 @@ class Engine:
             self.sample(i, row, logits)
 
     def release(self, i: int) -> None:
-        """Free row i; its keys and values stay for a later request."""
+        """Free row i; its keys and values stay for a later request, its images' do not."""
         self.rows[i] = None
         self.last_used[i] = next(self.uses)
+        if self.takes_images:
+            self.images_to_show.append((i, [], []))
 
     def release_cancelled(self) -> None:
         self.waiting = collections.deque(r for r in self.waiting if not r.cancelled)
@@ -251,6 +259,8 @@ class Engine:
                 self.rows[i].guesser = self.speculation.guesser_for(request.prompt, logprobs, grammar)
             self.last_used[i] = next(self.uses)
             self.reuse(request, reusable[i])
+            if self.takes_images:
+                self.images_to_show.append((i, request.prompt, request.images))
 
     def held_whole(self, i: int, prompt: List[int]) -> bool:
         """Whether `prompt` begins with all that row i holds, so that running it there loses nothing."""
@@ -283,7 +293,8 @@ class Engine:
     def plan(self) -> Plan:
         """Decode every row that has a sampled token; prefill the oldest unfinished prompts, prefill_chunk tokens in
         all."""
-        plan = Plan()
+        plan = Plan(images=self.images_to_show)
+        self.images_to_show = []
         prefilling = sorted((row.admitted, i) for i, row in enumerate(self.rows) if row and row.next_token is None)
         for _, i in prefilling:
             self.copy_longer_prefix(plan, i)

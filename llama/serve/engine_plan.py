@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from llama.runtime import DecodeStep, RuntimeTransformer
+from llama.vision.batch import ImageTiles
 
 # A server idles between requests for as long as it likes: the plan broadcast gets its own, patient group.
 IDLE_TIMEOUT = timedelta(days=7)
@@ -27,6 +28,9 @@ class Plan:
     decode_rows: List[int] = field(default_factory=list)  # those of rows 0..n-1 whose logits are wanted
     # (row, start position, prompt chunk, whether the logits of every position are wanted or only the last's)
     prefills: List[Tuple[int, int, List[int], bool]] = field(default_factory=list)
+    # A vision model's (row, prompt, images): the images a row's new prompt sees (none: a row freed, or a prompt of
+    # text only), encoded for the row before anything else runs.
+    images: List[Tuple[int, List[int], List[ImageTiles]]] = field(default_factory=list)
     # (source row, target row, start, end): positions [start, end) copied between rows, before anything else runs
     copies: List[Tuple[int, int, int, int]] = field(default_factory=list)
     stop: bool = False  # the server is shutting down: followers return
@@ -36,11 +40,14 @@ class Plan:
 def run_plan(
     model: RuntimeTransformer, decode_step: Optional[DecodeStep], plan: Plan
 ) -> Tuple[Dict[int, torch.Tensor], List[torch.Tensor]]:
-    """Run one step: the copies between cache rows, the decode rows (through `decode_step`; None: eagerly), then
-    the prompt chunks. Returns the next-token logits (vocab_size,) of each of plan.decode_rows, by row, and the last
-    logits of each chunk ((len(chunk), vocab_size) where the plan wants every position's)."""
+    """Run one step: a vision model's images for new rows, the copies between cache rows, the decode rows (through
+    `decode_step`; None: eagerly), then the prompt chunks. Returns the next-token logits (vocab_size,) of each of
+    plan.decode_rows, by row, and the last logits of each chunk ((len(chunk), vocab_size) where the plan wants every
+    position's)."""
     device = model.tok_embeddings.weight.device
     decode_logits, prefill_logits = {}, []
+    for row, prompt, images in plan.images:
+        model.show_row_images(row, prompt, images)
     for source, target, start, end in plan.copies:
         model.copy_cached(source, target, start, end)
     if len(plan.decode_rows) == 1 and decode_step is None:

@@ -81,17 +81,6 @@ def missing_dependencies() -> List[str]:
     return missing
 
 
-def refuse_vision_models(ckpt_dir) -> None:
-    """A ValueError, before anything loads, for a Llama 3.2 Vision checkpoint: the engine runs text models only."""
-    from llama.cli.common import checkpoint_takes_images
-
-    if checkpoint_takes_images(ckpt_dir):
-        raise ValueError(
-            f"{ckpt_dir} is a Llama 3.2 Vision model, which `llama serve` does not serve yet; run it through the "
-            "Python API or `llama chat` (docs/vision.md)"
-        )
-
-
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
     """Load the checkpoint and serve it until Ctrl-C or SIGTERM (`llama serve` runs this too)."""
     args = parse_args(argv, prog)
@@ -109,15 +98,15 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
     from llama.serve.engine_plan import PlanChannel, follow_plans
 
     with user_errors(vars(args)):
-        refuse_vision_models(args.ckpt_dir)
         generator = build_from_flags(args)
     channel = PlanChannel() if several_processes() else None
     decode_step = generator.decode_step  # compiled, or CUDA graphs; None: the eager step
+    model = generator.decoder.model  # the text runtime (of a vision model: its text model, which encodes images)
     if channel is not None and dist.get_rank() > 0:
-        follow_plans(generator.model, decode_step, channel)
+        follow_plans(model, decode_step, channel)
         return
     engine = Engine(
-        generator.model,
+        model,
         generator.tokenizer,
         decode_step,
         args.max_queue,
@@ -129,7 +118,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
         draft_max=generator.decoder.draft_max,
     )
     name = args.model_name or Path(args.ckpt_dir).resolve().name
-    app = create_app(Service(engine, generator.tokenizer, name), args.api_key)
+    app = create_app(Service(engine, generator.tokenizer, name, engine.takes_images), args.api_key)
     print(f"Serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, timeout_graceful_shutdown=args.drain_timeout, log_level="warning"

@@ -1,13 +1,16 @@
 """Requests turned into engine work: a completion's prompts as token IDs, a chat's messages as a llama dialog (with
-the tools it offers), vLLM's /tokenize bodies, and the grammar an answer must follow. Errors are `APIError`s (400)
-that name the field."""
+the tools it offers and the images it shows), vLLM's /tokenize bodies, and the grammar an answer must follow. Errors
+are `APIError`s (400) that name the field."""
 
 import json
 from typing import List, Optional, Union
 
+from llama.serve.data_urls import image_bytes
 from llama.serve.protocol import (
     APIError,
+    ChatMessage,
     ChatRequest,
+    ImagePart,
     NamedToolChoice,
     Sampling,
     TokenizeChat,
@@ -17,6 +20,8 @@ from llama.serve.protocol import (
 )
 from llama.tokenizer import ChatFormat, Message, Tokenizer
 from llama.tools import tool_messages
+from llama.vision.batch import MAX_IMAGES
+from llama.vision.images import open_image
 
 
 def completion_prompts(prompt, tokenizer: Tokenizer, vocab_size: int) -> List[List[int]]:
@@ -49,12 +54,15 @@ def check_in_vocabulary(tokens: List[int], vocab_size: int, where: str) -> None:
         raise APIError(400, message, where)
 
 
-def tokenize(request: Union[TokenizePrompt, TokenizeChat], formatter: ChatFormat) -> List[int]:
-    """The token IDs of a /tokenize request. Raises APIError (400) for messages that cannot be written."""
+def tokenize(
+    request: Union[TokenizePrompt, TokenizeChat], formatter: ChatFormat, takes_images: bool = False
+) -> List[int]:
+    """The token IDs of a /tokenize request, each image one `<|image|>` (`dialog_of`: images only where
+    `takes_images`). Raises APIError (400) for messages that cannot be written."""
     if isinstance(request, TokenizePrompt):
         return formatter.tokenizer.encode(request.prompt, bos=request.add_special_tokens, eos=False)
     chat = ChatRequest(model=request.model or "", messages=request.messages, tools=request.tools)
-    dialog = dialog_of(chat, formatter)
+    dialog = dialog_of(chat, formatter, takes_images)
     if request.add_generation_prompt and not request.continue_final_message:
         return formatter.encode_dialog_prompt(dialog)
     tokens = [formatter.tokenizer.special_tokens["<|begin_of_text|>"]]
@@ -86,17 +94,18 @@ def answer_format(request: Sampling) -> Optional[dict]:
     return None if request.response_format is None else request.response_format.as_dict()
 
 
-def dialog_of(request: ChatRequest, formatter: ChatFormat) -> List[Message]:
+def dialog_of(request: ChatRequest, formatter: ChatFormat, takes_images: bool = False) -> List[Message]:
     """The request's messages as a llama dialog, after the messages that offer its tools, if any.
 
     A "developer" message is a system message; a leading system message becomes the tools' system prompt's
-    instruction. Raises APIError (400) naming the message that cannot be written.
+    instruction. Text parts are joined into one string, unless the message has an image: then its content is llama's
+    text and image parts, in order, each image decoded (`message_content`). Raises APIError (400) naming the message
+    or part that cannot be written, images included where the model takes none (`check_image_parts`).
     """
+    check_image_parts(request.messages, takes_images)
     dialog: List[Message] = []
     for i, message in enumerate(request.messages):
-        content = message.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
+        content = message_content(message, i)
         if content is None and not message.tool_calls:
             raise APIError(400, f"Message {i} has no content", f"messages[{i}].content")
         converted: Message = {
@@ -119,6 +128,53 @@ def dialog_of(request: ChatRequest, formatter: ChatFormat) -> List[Message]:
         except ValueError as e:
             raise APIError(400, str(e), "tools") from None
     return dialog
+
+
+def check_image_parts(messages: List[ChatMessage], takes_images: bool) -> None:
+    """Raises APIError (400) before any image is decoded: for an image part where the model takes no images, or in
+    a message other than a user's (as OpenAI's API takes them; the model only reads images, it never writes one),
+    naming the first such part; or for more than `MAX_IMAGES` images in the request."""
+    found = 0
+    for i, message in enumerate(messages):
+        parts = message.content if isinstance(message.content, list) else []
+        for k, part in enumerate(parts):
+            if not isinstance(part, ImagePart):
+                continue
+            param = f"messages[{i}].content[{k}]"
+            if not takes_images:
+                raise APIError(
+                    400, f"{param} is an image, and this model takes no images (Llama 3.2 Vision models do)", param
+                )
+            if message.role != "user":
+                problem = f"{param} is an image in a message of role {message.role!r}: send images in user messages"
+                raise APIError(400, problem, param)
+            found += 1
+    if found > MAX_IMAGES:
+        problem = f"The messages hold {found} images; Llama 3.2 Vision takes at most {MAX_IMAGES} a request here"
+        raise APIError(400, problem, "messages")
+
+
+def message_content(message: ChatMessage, i: int) -> Union[str, List[dict], None]:
+    """Message `i`'s content as llama's: a string as given, text parts joined into one string (written as a string
+    is: stripped), or, where an image is among them, llama's parts in order, text as given (as llama-models writes
+    parts) and each image decoded from its data URL (`open_image`: a 400 naming the part that is not an image)."""
+    content = message.content
+    if not isinstance(content, list):
+        return content
+    if not any(isinstance(part, ImagePart) for part in content):
+        return "".join(part.text for part in content)
+    parts = []
+    for k, part in enumerate(content):
+        if not isinstance(part, ImagePart):
+            parts.append({"type": "text", "text": part.text})
+            continue
+        param = f"messages[{i}].content[{k}].image_url.url"
+        try:
+            image = open_image(image_bytes(part.image_url.url, param))
+        except ValueError as e:
+            raise APIError(400, f"{param}: {e}", param) from None
+        parts.append({"type": "image", "image": image})
+    return parts
 
 
 def tool_call_in(call: ToolCallSpec, i: int) -> dict:

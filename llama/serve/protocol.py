@@ -5,9 +5,9 @@ prompts (`llama.serve.prompts`).
 """
 
 import json
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag
 
 from llama.arguments import DEFAULT_TEMPERATURE, DEFAULT_TOP_P
 from llama.serve.requests import Output
@@ -75,9 +75,43 @@ class TextPart(Strict):
     text: str
 
 
+class ImageURL(Strict):
+    url: str  # a data: URL with the image file in base64 (`llama.serve.data_urls`); this server fetches nothing
+    # Taken for OpenAI's clients and ignored: Llama 3.2 Vision sees every image the same way, fitted into at most
+    # four 560-pixel tiles (`llama.vision.images`), so there is no cheaper or finer reading to choose.
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
+class ImagePart(Strict):
+    """OpenAI's image content part (Llama 3.2 Vision): it stands in the prompt as one `<|image|>`."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+# A part's "type" picks its shape, so a bad part's error names that shape's missing or unknown field, or the types
+# there are; likewise a list is read as parts only, so its error is not that it should have been a string.
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
+def content_kind(content: Any) -> Optional[str]:
+    """Which shape of `Content` a message's content has: "text", "parts", or None for neither."""
+    return "text" if isinstance(content, str) else "parts" if isinstance(content, list) else None
+
+
+Content = Annotated[
+    Union[Annotated[str, Tag("text")], Annotated[List[ContentPart], Tag("parts")]],
+    Discriminator(
+        content_kind,
+        custom_error_type="content_type",
+        custom_error_message="Content must be a string or a list of parts",
+    ),
+]
+
+
 class ChatMessage(Strict):
     role: Literal[ROLES]  # type: ignore[valid-type]
-    content: Union[str, List[TextPart], None] = None
+    content: Optional[Content] = None
     name: Optional[str] = None
     tool_calls: Optional[List[ToolCallSpec]] = None
     tool_call_id: Optional[str] = None

@@ -1,10 +1,11 @@
 """What the engine (`llama.serve.engine`) takes and gives: a `Request` to continue a prompt, the `Output`s it is
 handed from the engine's thread, and `QueueFull` where no request may wait."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 from llama.decoding.grammar import Constraint
+from llama.vision.batch import ImageTiles
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Request:
     top_logprobs: Optional[int] = None  # None: no logprobs; k: each token's logprob and the k likeliest
     score_prompt: bool = False  # also each prompt token's logprob (and top_logprobs' likeliest): the whole prompt runs
     constraint: Optional[Constraint] = None  # a grammar the answer must follow (`llama.decoding.grammar`)
+    # A vision model's prompt: its images, one per <|image|> in order, as `llama.vision.batch.image_input` makes them.
+    images: List[ImageTiles] = field(default_factory=list)
     cancelled: bool = False
     cached_tokens: int = 0  # set by the engine: prompt tokens whose keys and values it reused rather than computed
 

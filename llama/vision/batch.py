@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-from PIL import Image
 
 from llama.vision.encoder import MAX_TILES
 from llama.vision.images import image_tiles, open_image
@@ -36,6 +35,10 @@ def image_spans(tokens: Sequence[int]) -> List[Tuple[int, Optional[int]]]:
     return list(zip(starts, ends))
 
 
+# An image as the encoder takes it: its tiles and its grid (tiles high, tiles wide), from `image_tiles`.
+ImageTiles = Tuple[torch.Tensor, Tuple[int, int]]
+
+
 @dataclass
 class BatchImages:
     """Images of a batch of prompts, every prompt's padded to the most any prompt has (`max_images`), each image to
@@ -46,6 +49,7 @@ class BatchImages:
     ends: torch.Tensor  # (bsz, max_images): the position where that stops (a padding image: seen nowhere)
     tiles: torch.Tensor  # (bsz, max_images): the image's own tiles (the rest of MAX_TILES are padding)
     tokens_per_tile: int
+    spans: List[List[Tuple[int, int]]]  # per prompt, (start, end) of its own images: `starts`, `ends` on the host
 
     def cross_attention_mask(
         self, start_pos: int, seqlen: int, dtype: torch.dtype
@@ -63,13 +67,30 @@ class BatchImages:
         mask = torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, torch.finfo(dtype).min)
         return mask * sees_image, sees_image
 
+    def row(self, i: int) -> "BatchImages":
+        """Prompt i's images alone (views, padding included)."""
+        return BatchImages(
+            [(keys[i : i + 1], values[i : i + 1]) for keys, values in self.keys_values],
+            self.starts[i : i + 1],
+            self.ends[i : i + 1],
+            self.tiles[i : i + 1],
+            self.tokens_per_tile,
+            [self.spans[i]],
+        )
+
+    def seen_by(self, start_pos: int, seqlen: int) -> bool:
+        """Whether some position in [start_pos, start_pos + seqlen) of the first prompt sees one of its images."""
+        end_pos = start_pos + seqlen
+        return any(start < end_pos and start_pos < end for start, end in self.spans[0])
+
 
 @torch.inference_mode()
 def batch_images(
-    model: CrossAttentionTransformer, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[Image.Image]]
+    model: CrossAttentionTransformer, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[ImageTiles]]
 ) -> Optional[BatchImages]:
-    """Encode the images of a batch (`images[i]`: prompt i's, RGB, in the order of its `<|image|>` tokens) and
-    compute their keys and values in every cross-attention block; None when no prompt has an image.
+    """Encode the images of a batch (`images[i]`: prompt i's, as `image_input` prepares them, in the order of its
+    `<|image|>` tokens) and compute their keys and values in every cross-attention block; None when no prompt has
+    an image.
 
     Raises:
         ValueError: when a prompt's `<|image|>` tokens and its images differ in number.
@@ -82,9 +103,6 @@ def batch_images(
     if max_images == 0:
         return None
     text_model, encoder = model.text_model, model.vision.encoder
-    # The images are prepared in the vision model's dtype, as Meta's code prepares them in its default dtype, which
-    # its build sets to the model's.
-    dtype = model.vision_model.vision_projection.weight.dtype
     image_len = MAX_TILES * encoder.tokens_per_tile
     bsz, device = len(prompts), text_model.tok_embeddings.weight.device
     starts = torch.zeros(bsz, max_images, dtype=torch.long)
@@ -95,11 +113,13 @@ def batch_images(
         attention = block.attention
         shape = (2, bsz, attention.n_local_kv_heads, max_images * image_len, attention.head_dim)
         keys_values.append(torch.zeros(shape, dtype=text_model.tok_embeddings.weight.dtype, device=device))
+    spans = []
     for i, (tokens, row) in enumerate(zip(prompts, images)):
-        for j, (image, (start, end)) in enumerate(zip(row, image_spans(tokens))):
-            its_tiles, (tiles_high, tiles_wide) = image_tiles(image, encoder.tile_size, MAX_TILES, dtype)
+        spans.append([])
+        for j, ((its_tiles, (tiles_high, tiles_wide)), (start, end)) in enumerate(zip(row, image_spans(tokens))):
             tokens_of_image = model.image_tokens(its_tiles, tiles_high, tiles_wide)
             starts[i, j], ends[i, j] = start, model.params.max_seq_len if end is None else end
+            spans[i].append((start, int(ends[i, j])))
             tiles[i, j] = tiles_high * tiles_wide
             for block, stacked in zip(text_model.cross_attention_layers, keys_values):
                 stacked[:, i, :, j * image_len : (j + 1) * image_len] = block.attention.image_keys_values(
@@ -111,7 +131,21 @@ def batch_images(
         ends.to(device),
         tiles.to(device),
         encoder.tokens_per_tile,
+        spans,
     )
+
+
+def image_input(model: CrossAttentionTransformer, source) -> ImageTiles:
+    """An image (a PIL image, an image file's bytes or a path) as `batch_images` takes it: opened and converted to
+    RGB (`open_image`), then cut into tiles (`image_tiles`) in the vision model's dtype, as Meta's code prepares
+    them in its default dtype, which its build sets to the model's.
+
+    Raises:
+        ValueError: for an image that cannot be read, or one too long and thin to tile
+            (`llama.vision.images`); FileNotFoundError for a path with no file.
+    """
+    dtype = model.vision_model.vision_projection.weight.dtype
+    return image_tiles(open_image(source), model.vision.encoder.tile_size, MAX_TILES, dtype)
 
 
 def show_images(model, prompts: Sequence[Sequence[int]], images: Sequence[Sequence[object]]) -> None:
@@ -134,5 +168,5 @@ def show_images(model, prompts: Sequence[Sequence[int]], images: Sequence[Sequen
     for i, row in enumerate(images):
         if len(row) > MAX_IMAGES:
             raise ValueError(f"Prompt {i} has {len(row)} images; Llama 3.2 Vision takes at most {MAX_IMAGES} a prompt")
-    opened = [[open_image(image) for image in row] for row in images]
-    model.show_images(batch_images(model, prompts, opened))
+    prepared = [[image_input(model, image) for image in row] for row in images]
+    model.show_images(batch_images(model, prompts, prepared))

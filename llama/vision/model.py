@@ -174,6 +174,10 @@ class TextModel(Transformer):
         self.cross_attention_before: Dict[int, int] = {layer: index for index, layer in enumerate(schedule)}
         self.images = None
 
+    def show_images(self, images) -> None:
+        """Set the images of the next batch (`llama.vision.batch.BatchImages`; None: text only)."""
+        self.images = images
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings, `<|image|>`'s from `learnable_embedding` (no branch on the tokens' values: a test
         of them would wait for the device at every step)."""
@@ -222,7 +226,7 @@ class CrossAttentionTransformer(nn.Module):
 
     def show_images(self, images) -> None:
         """Set the images the text model's next batch sees (`llama.vision.batch.BatchImages`; None: text only)."""
-        self.text_model.images = images
+        self.text_model.show_images(images)
 
     @torch.inference_mode()
     def image_tokens(self, tiles: torch.Tensor, tiles_high: int, tiles_wide: int) -> torch.Tensor:
