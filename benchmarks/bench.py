@@ -37,6 +37,13 @@ forward of the text model, not timed here):
 
     python benchmarks/bench.py --vision --dtypes bfloat16 float32 --rounds 3
 
+With --vision_decode, it measures decoding with one image of 4 tiles: Llama 3.2 1B's text model with 4
+cross-attention blocks and 11B's tiles (a small encoder, whose time is subtracted), this library's
+`text_completion` of an image part against transformers' MllamaForConditionalGeneration.generate at its defaults
+on the `to-hf` folder of the same weights, batch 1 and 8:
+
+    python benchmarks/bench.py --vision_decode --dtypes bfloat16 float32 --rounds 3
+
 With --rounds N, every library is measured N times, round after round (each round runs every dtype and llama.cpp
 type once), so that a drift of the machine's memory speed falls on all of them alike: the table gives each figure's
 median over the rounds, and then each round's batch-1 decode, our speed against llama.cpp's and, for a quantized
@@ -115,7 +122,7 @@ def meta_checkpoint(shape: str, root: Path, tokenizer_path: str, device: str) ->
 
     meta = root / f"{shape}-meta"
     if not (meta / "params.json").is_file():
-        params = dict(norm_eps=1e-5, rope_theta=500000.0, **SHAPES[shape])
+        params = dict(norm_eps=1e-5, rope_theta=500000.0, **{**SHAPES, **VISION_SHAPES}[shape])
         tied = params.pop("tied", False)
         log(f"writing a random {shape} checkpoint to {meta}")
         weights = random_weights(params, seed=0, dtype=torch.bfloat16, device=device)
@@ -427,6 +434,109 @@ def worker_vision_transformers(args) -> dict:
         return {"encoder_s": timed(encode, "cpu", VISION_REPEATS), "peak_mb": peak_memory_mb("cpu")}
 
 
+# --vision_decode: Llama 3.2 1B's text model (untied) with 4 cross-attention blocks, before layers 3, 7, 11 and 15, and
+# 11B's tiles of 560 pixels (4 x 1,601 image tokens an image), on a small encoder: decoding reads the image's keys
+# and values in each block, not the encoder, whose time is subtracted with the first token's.
+VISION_SHAPES = {
+    "vision-1b": dict(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=256,
+        ffn_dim_multiplier=1.5,
+        use_scaled_rope=True,
+        rope_scaling_factor=32,
+        vision_chunk_size=560,
+        vision_max_num_chunks=4,
+        vision_num_cross_attention_layers=4,
+        vision_encoder_width=64,
+        vision_encoder_layers=2,
+        vision_encoder_heads=2,
+        vision_encoder_global_layers=1,
+        vision_encoder_intermediate_layers=[0, 1],
+    ),
+}
+VISION_DECODE_STEPS = 12
+VISION_DECODE_IMAGE = (1120, 1120)  # pixels: a 2 x 2 grid of tiles
+
+
+def worker_vision_decode_llama(args) -> dict:
+    import torch
+    from PIL import Image
+
+    from llama import Llama
+
+    torch.set_num_threads(args.threads)
+    generator = Llama.build(str(args.checkpoint), max_seq_len=256, max_batch_size=8, device="cpu", dtype=args.dtype)
+    generator.tokenizer.stop_tokens = set()  # random weights: decode for exactly the steps asked
+    pixels = torch.randint(0, 256, (*VISION_DECODE_IMAGE, 3), generator=torch.Generator().manual_seed(1))
+    image = Image.fromarray(pixels.to(torch.uint8).numpy())
+    prompt = [{"type": "image", "image": image}, {"type": "text", "text": "This picture shows"}]
+
+    def generate(bsz, n):
+        return generator.text_completion([prompt] * bsz, max_gen_len=n, temperature=0)
+
+    return {"kernels": generator.model.text_model.kernels_in_use, **measure_decode(generate, args.decode_steps, "cpu")}
+
+
+def worker_vision_decode_transformers(args) -> dict:
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = transformers.MllamaForConditionalGeneration.from_pretrained(args.checkpoint, dtype=dtype).eval()
+    config = model.config.vision_config
+    image_token = model.config.image_token_index
+    tiles = config.max_num_tiles
+
+    def generate(bsz, n):
+        ids = torch.tensor([[128000, image_token] + list(range(1000, 1004))] * bsz)
+        pixels = torch.randn(bsz, 1, tiles, 3, config.image_size, config.image_size, generator=torch.Generator())
+        ratio = torch.tensor([[config.supported_aspect_ratios.index([2, 2]) + 1]] * bsz)  # ids count from 1
+        return model.generate(
+            input_ids=ids,
+            pixel_values=pixels.to(dtype),
+            aspect_ratio_ids=ratio,
+            aspect_ratio_mask=torch.ones(bsz, 1, tiles, dtype=torch.long),
+            cross_attention_mask=torch.ones(bsz, ids.shape[1], 1, tiles, dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+
+    with torch.inference_mode():
+        return {"attention": model.config._attn_implementation, **measure_decode(generate, args.decode_steps, "cpu")}
+
+
+def vision_decode_rounds(opts, tokenizer_path: str) -> None:
+    """--vision_decode: each library's decode tokens/s with one image, median of the rounds, in a table."""
+    opts.workdir.mkdir(parents=True, exist_ok=True)
+    meta = meta_checkpoint("vision-1b", opts.workdir, tokenizer_path, "cpu")
+    folders = {"vision-decode-llama": meta, "vision-decode-transformers": hf_checkpoint(meta)}
+    results = {}
+    for _ in range(opts.rounds):
+        for dtype in opts.dtypes:
+            for library, folder in folders.items():
+                log(f"{library} {dtype} ...")
+                result = run_worker(library, folder, "vision-1b", dtype, opts)
+                log(f"{library} {dtype}: {json.dumps(result)}")
+                results.setdefault((library, dtype), []).append(result)
+    print("| library | dtype | decode b1 tok/s (runs) | decode b8 tok/s (runs) | peak MB |")
+    print("|---------|-------|------------------------|------------------------|---------|")
+    for (library, dtype), runs in results.items():
+        figures = []
+        for key in ("decode_b1_tok_s", "decode_b8_tok_s"):
+            each = [r[key] for r in runs]
+            figures.append(f"{median(each):.1f} ({', '.join(f'{x:.1f}' for x in each)})")
+        name, peak = library.removeprefix("vision-decode-"), max(r["peak_mb"] for r in runs)
+        print(f"| {name} | {dtype} | {figures[0]} | {figures[1]} | {peak:.0f} |")
+
+
 def vision_rounds(opts) -> None:
     """--vision: each library's seconds per image, median of the rounds, in a table."""
     results = {}
@@ -567,7 +677,8 @@ def run_worker(library: str, checkpoint: Path, shape: str, dtype: str, opts) -> 
         env["PYTHONPATH"] = os.pathsep.join([str(opts.baseline), env.get("PYTHONPATH", "")])
     command = [
         sys.executable, str(script), "--worker", library, "--checkpoint", str(checkpoint), "--dtype", dtype,
-        "--device", opts.device, "--threads", str(opts.threads), "--decode_steps", str(DECODE_STEPS[shape]),
+        "--device", opts.device, "--threads", str(opts.threads),
+        "--decode_steps", str(DECODE_STEPS.get(shape, VISION_DECODE_STEPS)),
         "--prefill_lens", *map(str, opts.prefill_lens),
     ] + (["--compile"] if opts.compile else []) + (["--no_cuda_graphs"] if opts.no_cuda_graphs else [])  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -597,12 +708,15 @@ def main() -> None:
     )
     # Internal: one measurement in a fresh process.
     parser.add_argument("--vision", action="store_true", help="Llama 3.2 11B Vision's encoder, for one image")
+    parser.add_argument("--vision_decode", action="store_true", help="decoding with one image, Llama 3.2 1B's sizes")
     workers = {
         "llama": worker_llama,
         "transformers": worker_transformers,
         "llama.cpp": worker_llama_cpp,
         "vision-llama": worker_vision_llama,
         "vision-transformers": worker_vision_transformers,
+        "vision-decode-llama": worker_vision_decode_llama,
+        "vision-decode-transformers": worker_vision_decode_transformers,
     }
     parser.add_argument("--worker", choices=sorted(workers), help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
@@ -618,6 +732,11 @@ def main() -> None:
         log(machine(opts.threads))
         opts.prefill_lens = PREFILL_LENS  # unused by its workers
         vision_rounds(opts)
+        return
+    if opts.vision_decode:
+        log(machine(opts.threads))
+        opts.prefill_lens = PREFILL_LENS  # unused by its workers
+        vision_decode_rounds(opts, opts.tokenizer_path or default_tokenizer())
         return
 
     shapes = opts.shapes or (QUICK if opts.quick else GRID)

@@ -6,6 +6,7 @@ image for a text model) is tested with the protocol in tests/test_serve_image_pa
 
 import base64
 import shutil
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -172,6 +173,8 @@ def test_under_torchrun_two_processes_serve_one_process_s_answers(checkpoint, cl
     try:
         two_processes = openai.OpenAI(base_url=running.url + "/v1", api_key="none", max_retries=0, timeout=120)
         answers = [served(two_processes, messages) for messages in questions]
+        running.process.send_signal(signal.SIGTERM)  # torchrun passes it on to both processes: they drain and exit
+        running.process.wait(timeout=60)
     finally:
         running.stop()
     for messages, answer in zip(questions, answers):
