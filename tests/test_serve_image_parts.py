@@ -6,6 +6,7 @@ runs in this process over a stub engine (tests/serve_stub.py): all of this happe
 import base64
 import io
 import time
+import zlib
 
 import pytest
 from helpers import import_or_skip, png_bytes
@@ -16,11 +17,12 @@ from PIL import Image  # noqa: E402
 from serve_stub import MODEL, stub_client  # noqa: E402
 
 from llama.serve.data_urls import image_bytes  # noqa: E402
-from llama.serve.prompts import dialog_of  # noqa: E402
+from llama.serve.prompts import MAX_IMAGE_PIXELS, dialog_of  # noqa: E402
 from llama.serve.protocol import APIError, ChatRequest  # noqa: E402
 from llama.text import dialog_images  # noqa: E402
 from llama.tokenizer import ChatFormat, Tokenizer  # noqa: E402
 from llama.vision.batch import MAX_IMAGES  # noqa: E402
+from llama.vision.images import open_image  # noqa: E402
 
 PARAM = "messages[2].content[1].image_url.url"
 
@@ -179,6 +181,27 @@ def test_a_part_that_is_not_an_image_is_a_400_naming_it(formatter):
     with pytest.raises(APIError) as refused:
         dialog_of(request, formatter, takes_images=True)
     assert refused.value.status == 400 and refused.value.param == PARAM
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A small PNG whose header says it is `width` x `height` pixels (its CRC mended), its pixel data a 2x2 image's."""
+    data = bytearray(png_bytes(2, 2))
+    data[16:24] = width.to_bytes(4, "big") + height.to_bytes(4, "big")  # IHDR's first fields
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")  # over IHDR's type and fields
+    return bytes(data)
+
+
+def test_an_image_over_the_server_s_pixel_limit_is_refused_from_its_header(formatter):
+    """A few hundred bytes may claim billions of pixels' worth of memory: the server reads the header and refuses,
+    before decoding anything. (Pillow's own limit, 179 million pixels, would let four such images claim 2 GB.)"""
+    side = int(MAX_IMAGE_PIXELS**0.5) + 1
+    request = ChatRequest(**chat({"role": "user", "content": [image_part(data_url(png_claiming(side, side)))]}))
+    with pytest.raises(APIError) as refused:
+        dialog_of(request, formatter, takes_images=True)
+    assert refused.value.status == 400 and refused.value.param == "messages[0].content[0].image_url.url"
+    assert f"{side}x{side}" in refused.value.message and "shrink it" in refused.value.message
+    with pytest.raises(ValueError, match="cut short|damaged"):  # the Python API: Pillow's limit, and then decoding
+        open_image(png_claiming(side, side))
 
 
 def test_a_model_without_vision_refuses_an_image_naming_the_part(formatter):

@@ -51,6 +51,21 @@ def apply_rotary_emb_per_row(
     return xq.transpose(0, 1), xk.transpose(0, 1)
 
 
+def masked_one_position_attention(
+    xq: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """SDPA of one new position per row, `xq` (bsz, n_heads, 1, head_dim), over `keys` and `values` (bsz, n_kv_heads,
+    positions, head_dim), with `mask` (broadcast to (bsz, 1, 1, positions)). Masked kernels cannot share kv heads
+    (enable_gqa copies them once per query head they serve: several times slower on the CPU in bfloat16), so each kv
+    head's query heads attend as rows of one head: the same scores, nothing copied. CUDA's kernels return those rows
+    transposed in memory, hence reshape."""
+    bsz, n_heads, _, head_dim = xq.shape
+    n_kv_heads = keys.shape[1]
+    grouped = xq.reshape(bsz, n_kv_heads, n_heads // n_kv_heads, head_dim)
+    output = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+    return output.reshape(bsz, n_heads, 1, head_dim)
+
+
 class RuntimeAttention(nn.Module):
     """`Attention` of the same weights, cache and math, for every way the runtime calls it (see the module)."""
 
@@ -103,13 +118,8 @@ class RuntimeAttention(nn.Module):
         bsz, _, seqlen, _ = xq.shape
         if seqlen == 1 and mask is None and self.one_position_attention is not None:
             return self.one_position_attention(xq, keys, values)
-        if seqlen == 1 and mask is not None and self.n_rep > 1:
-            # One new position over the whole cache, masked: masked kernels cannot share kv heads (enable_gqa copies
-            # them n_rep times), so each kv head's n_rep query heads attend as n_rep rows of one head: the same
-            # scores, nothing copied. CUDA's kernels return those rows transposed in memory, hence reshape.
-            grouped = xq.reshape(bsz, self.n_local_kv_heads, self.n_rep, self.head_dim)
-            output = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
-            return output.reshape(bsz, self.n_local_heads, 1, self.head_dim)
+        if seqlen == 1 and mask is not None:
+            return masked_one_position_attention(xq, keys, values, mask)
         return F.scaled_dot_product_attention(
             xq, keys, values, attn_mask=mask, is_causal=mask is None and seqlen > 1, enable_gqa=self.n_rep > 1
         )

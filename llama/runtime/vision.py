@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llama.runtime.attention import AttentionKernel, MakeStack
+from llama.runtime.attention import AttentionKernel, MakeStack, masked_one_position_attention
 from llama.runtime.cached_tokens import CachedTokens
 from llama.runtime.transformer import RuntimeFeedForward, RuntimeTransformer
 from llama.vision.batch import BatchImages, ImageTiles, batch_images, image_input
@@ -105,8 +105,13 @@ class RuntimeCrossAttentionBlock(nn.Module):
         outputs = []
         for j, (_, images, image_mask, sees_image) in enumerate(seen):
             keys, values = images.keys_values[self.index]
-            gqa = attention.n_local_heads > attention.n_local_kv_heads
-            attended = F.scaled_dot_product_attention(xq[j : j + 1], keys, values, attn_mask=image_mask, enable_gqa=gqa)
+            if seqlen == 1:
+                attended = masked_one_position_attention(xq[j : j + 1], keys, values, image_mask)
+            else:
+                gqa = attention.n_local_heads > attention.n_local_kv_heads
+                attended = F.scaled_dot_product_attention(
+                    xq[j : j + 1], keys, values, attn_mask=image_mask, enable_gqa=gqa
+                )
             outputs.append(attended * sees_image)  # a position that sees no image: its output dropped, as in Meta's
         output = torch.cat(outputs).transpose(1, 2).reshape(len(rows), seqlen, -1)
         h = picked + self.gate_attn.tanh() * attention.wo(output)

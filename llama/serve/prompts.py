@@ -154,6 +154,11 @@ def check_image_parts(messages: List[ChatMessage], takes_images: bool) -> None:
         raise APIError(400, problem, "messages")
 
 
+# The most pixels of an image the server decodes, from its header: 64 Mi, a 48-megapixel photo with room to spare (its
+# RGB pixels take up to 192 MiB). Pillow's own limit is near 179 million, whose pixel data a small file can claim.
+MAX_IMAGE_PIXELS = 64 * 2**20
+
+
 def message_content(message: ChatMessage, i: int) -> Union[str, List[dict], None]:
     """Message `i`'s content as llama's: a string as given, text parts joined into one string (written as a string
     is: stripped), or, where an image is among them, llama's parts in order, text as given (as llama-models writes
@@ -170,7 +175,7 @@ def message_content(message: ChatMessage, i: int) -> Union[str, List[dict], None
             continue
         param = f"messages[{i}].content[{k}].image_url.url"
         try:
-            image = open_image(image_bytes(part.image_url.url, param))
+            image = open_image(image_bytes(part.image_url.url, param), MAX_IMAGE_PIXELS)
         except ValueError as e:
             raise APIError(400, f"{param}: {e}", param) from None
         parts.append({"type": "image", "image": image})

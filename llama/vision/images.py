@@ -21,7 +21,7 @@ import io
 import math
 import os
 from pathlib import Path
-from typing import List, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from PIL import Image
@@ -33,11 +33,13 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 ImageSource = Union[Image.Image, bytes, bytearray, str, os.PathLike]
 
 
-def open_image(source: ImageSource) -> Image.Image:
+def open_image(source: ImageSource, max_pixels: Optional[int] = None) -> Image.Image:
     """Decodes an image and converts it to RGB, as Meta's chat format does (`.convert("RGB")`).
 
     Args:
         source: A PIL image, the bytes of an image file, or the path of one.
+        max_pixels: A file's most pixels (width times height), checked on its header before anything is decoded
+            (the server's bound on the memory one image takes); None: Pillow's own limit only.
 
     Returns:
         A fully decoded RGB image (a new one, even when `source` is already RGB).
@@ -45,7 +47,8 @@ def open_image(source: ImageSource) -> Image.Image:
     Raises:
         FileNotFoundError: If `source` is a path with no file at it.
         ValueError: If `source` is not an image Pillow can read, is truncated or corrupt, has no pixels, is larger
-            than `PIL.Image.MAX_IMAGE_PIXELS` allows (a possible decompression bomb), or is of another type.
+            than `PIL.Image.MAX_IMAGE_PIXELS` allows (a possible decompression bomb) or than `max_pixels`, or is of
+            another type.
     """
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
@@ -67,8 +70,10 @@ def open_image(source: ImageSource) -> Image.Image:
     try:
         if isinstance(image, bytes):
             image = Image.open(io.BytesIO(image))  # reads the header only
-        image.load()  # decodes the pixels, so that a truncated file fails here and not later
-        image = image.convert("RGB")
+        too_large = max_pixels is not None and image.width * image.height > max_pixels
+        if not too_large:
+            image.load()  # decodes the pixels, so that a truncated file fails here and not later
+            image = image.convert("RGB")
     except Image.DecompressionBombError as e:
         raise ValueError(
             f"{name} is too large to decode safely, a possible decompression bomb ({e}). If you trust it, raise "
@@ -84,6 +89,11 @@ def open_image(source: ImageSource) -> Image.Image:
             f"{name} could not be decoded as an RGB image, it may be truncated or damaged ({type(e).__name__}: {e}): "
             "pass a complete, undamaged image file."
         ) from e
+    if too_large:
+        raise ValueError(
+            f"{name} is a {image.width}x{image.height} image, over the {max_pixels:,} pixels allowed here: shrink it "
+            "first (Llama 3.2 Vision reads at most 4 tiles of 560 pixels)."
+        )
     if image.width == 0 or image.height == 0:
         raise ValueError(f"{name} is {image.width}x{image.height} pixels: an image needs at least one pixel.")
     return image
