@@ -64,6 +64,40 @@ def next_token_logprobs(llama: Llama, tokens: list, image_data: bytes) -> torch.
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def test_the_runtime_gives_the_reference_text_model_s_logits(vision_checkpoint, vision_llama, tokenizer_path):
+    """The text model as Meta's code runs it (`TextModel.forward`, a batch's images padded to the most images a
+    prompt has) against the runtime's (`RuntimeVisionText`, each row's own images, cross-attention only where a row
+    sees one): a batch of a one-image prompt and a two-image one, then decode steps, in float32."""
+    from datetime import timedelta
+
+    from llama.checkpoint import load_checkpoint
+    from llama.vision.batch import show_images
+
+    reference, tokenizer, _ = load_checkpoint(
+        str(vision_checkpoint), tokenizer_path, 128, 2, None, 1, "cpu", "float32", None, timedelta(seconds=60)
+    )
+    dialogs = [
+        dialog_with(text("Look at this one."), image(png_bytes(40, 30, seed=1)), text("What is it?")),
+        dialog_with(image(png_bytes(30, 60, seed=2)), image(png_bytes(50, 50, seed=3)), text("Which is red?")),
+    ]
+    prompts = [vision_llama.formatter.encode_dialog_prompt(dialog) for dialog in dialogs]
+    length = min(len(prompt) for prompt in prompts)
+    tokens = torch.tensor([prompt[:length] for prompt in prompts])
+    images = [[part["image"] for part in dialog[0]["content"] if part["type"] == "image"] for dialog in dialogs]
+    runtime = vision_llama.model
+    for model in (reference, runtime):
+        show_images(model, prompts, images)
+    try:
+        logits = [model.text_model.forward(tokens, 0) for model in (reference, runtime)]
+        for step in range(3):
+            torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=0)
+            token = logits[0][:, -1:].argmax(dim=-1)
+            logits = [model.text_model.forward(token, length + step) for model in (reference, runtime)]
+    finally:
+        for model in (reference, runtime):
+            show_images(model, prompts, [])
+
+
 def test_the_load_report_names_a_vision_model(vision_llama, tiny_llama):
     assert "vision model" in str(vision_llama.load_report)
     assert "vision" not in str(tiny_llama.load_report)
