@@ -49,12 +49,12 @@ M = TypeVar("M", bound=BaseModel)
 
 class Service:
     """What the routes need: the engine and its thread, the tokenizer, the name the model is served under, and
-    whether it takes images (Llama 3.2 Vision), which also sets the largest body a request may have."""
+    whether the engine's model takes images (Llama 3.2 Vision), which also sets the largest body a request may have."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, takes_images: bool = False):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.takes_images = takes_images
-        self.max_body_bytes = VISION_MAX_BODY_BYTES if takes_images else MAX_BODY_BYTES
+        self.takes_images = engine.takes_images
+        self.max_body_bytes = VISION_MAX_BODY_BYTES if self.takes_images else MAX_BODY_BYTES
         self.formatter = ChatFormat(tokenizer)
         self.created = int(time.time())
         self.thread = threading.Thread(target=engine.run, name="engine", daemon=True)

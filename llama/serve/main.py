@@ -118,7 +118,7 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> None:
         draft_max=generator.decoder.draft_max,
     )
     name = args.model_name or Path(args.ckpt_dir).resolve().name
-    app = create_app(Service(engine, generator.tokenizer, name, engine.takes_images), args.api_key)
+    app = create_app(Service(engine, generator.tokenizer, name), args.api_key)
     print(f"Serving {name!r} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", flush=True)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, timeout_graceful_shutdown=args.drain_timeout, log_level="warning"
