@@ -440,15 +440,7 @@ def worker_vision_transformers(args) -> dict:
 # first token's.
 VISION_SHAPES = {
     "vision-1b": dict(
-        dim=2048,
-        n_layers=16,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab_size=128256,
-        multiple_of=256,
-        ffn_dim_multiplier=1.5,
-        use_scaled_rope=True,
-        rope_scaling_factor=32,
+        {key: value for key, value in SHAPES["1b"].items() if key != "tied"},
         vision_chunk_size=560,
         vision_max_num_chunks=4,
         vision_num_cross_attention_layers=4,
